@@ -1,0 +1,5 @@
+import sys
+
+from refstream.cli import main
+
+sys.exit(main())

@@ -1,0 +1,186 @@
+"""Every exception refstream raises, in one place.
+
+All of them derive from :class:`RefstreamError`. The hierarchy says whose fault it is:
+
+* :class:`UsageError` — the caller asked for something impossible (bad arguments, a topology
+  that cannot be served, a checkpoint from another topology).
+* :class:`DatasetError` — the dataset's metadata or tables are wrong or unsupported.
+* :class:`Mp4Error` — a video file is malformed, or valid but outside what refstream supports.
+* :class:`FetchError` — reading bytes from a source failed or returned something inconsistent.
+* :class:`BudgetError` — the byte budget cannot hold what was asked, or was closed.
+* :class:`SidecarError` — the persistent MP4 index could not be built, locked or read.
+* :class:`DecodeError` — a frame could not be decoded or matched to a requested time.
+
+Lower-layer exceptions (``OSError``, ``requests``, ``av``, ``pyarrow``) are translated into these
+at the edge where they happen, with ``raise … from exc`` so the cause is kept. Messages name the
+file, episode, field, box or byte range involved.
+
+Classes that correspond to a builtin category also derive from it (``ValueError``,
+``TimeoutError``, ``OSError``) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RefstreamError",
+    "UsageError",
+    "EpisodeSelectionError",
+    "ShardingError",
+    "ResumeError",
+    "TopologyChanged",
+    "DatasetError",
+    "UnsupportedDataset",
+    "MalformedDataset",
+    "UnsafePath",
+    "TableError",
+    "Mp4Error",
+    "MalformedMp4",
+    "UnsupportedMp4",
+    "FetchError",
+    "HTTPStatusError",
+    "BadRangeResponse",
+    "ShortRead",
+    "PayloadChanged",
+    "RetriesExhausted",
+    "BudgetError",
+    "EpisodeTooLarge",
+    "BudgetClosed",
+    "SidecarError",
+    "SidecarLockTimeout",
+    "SidecarInvalid",
+    "DecodeError",
+    "FrameNotFound",
+]
+
+
+class RefstreamError(Exception):
+    """Base class of every error refstream raises on purpose."""
+
+
+# --- the caller asked for something impossible ------------------------------------------------
+
+
+class UsageError(RefstreamError, ValueError):
+    """An argument is invalid, e.g. a negative seed or an unknown sampling strategy."""
+
+
+class EpisodeSelectionError(UsageError):
+    """An ``episodes=[…]`` selection holds duplicate or unknown episode ids (they are named)."""
+
+
+class ShardingError(UsageError):
+    """A topology cannot be served, e.g. fewer episodes on a rank than DataLoader workers."""
+
+
+class ResumeError(UsageError):
+    """A ``state_dict`` cannot be resumed (malformed, or not a whole number of batches)."""
+
+
+class TopologyChanged(ResumeError):
+    """A checkpoint was taken with another world size, worker count, batch size or pool."""
+
+
+# --- the dataset ---------------------------------------------------------------------------
+
+
+class DatasetError(RefstreamError):
+    """The dataset's metadata or tables are wrong or unsupported."""
+
+
+class UnsupportedDataset(DatasetError):
+    """The dataset is valid but not a LeRobot v3.0 layout refstream reads (names what it is)."""
+
+
+class MalformedDataset(DatasetError, ValueError):
+    """Metadata is missing, truncated or inconsistent (names file, episode and field)."""
+
+
+class UnsafePath(DatasetError, ValueError):
+    """A path built from metadata is absolute or escapes the dataset root."""
+
+
+class TableError(DatasetError, ValueError):
+    """An episode's Parquet rows are missing, miscounted or not contiguous (names file, episode)."""
+
+
+# --- MP4 -----------------------------------------------------------------------------------
+
+
+class Mp4Error(RefstreamError):
+    """A video file cannot be indexed."""
+
+
+class MalformedMp4(Mp4Error, ValueError):
+    """The file breaks the ISO-BMFF rules (names box, field, offset and file)."""
+
+
+class UnsupportedMp4(Mp4Error):
+    """The file is valid but uses a feature refstream rejects (fragments, complex edit lists)."""
+
+
+# --- fetching ------------------------------------------------------------------------------
+
+
+class FetchError(RefstreamError, OSError):
+    """Reading bytes from a source failed (names URL or path and byte range)."""
+
+
+class HTTPStatusError(FetchError):
+    """A server answered with a status that is not retried, or still failed after retries."""
+
+
+class BadRangeResponse(FetchError):
+    """A range response disagrees with the request (status, ``Content-Range`` or length)."""
+
+
+class ShortRead(FetchError):
+    """Fewer bytes arrived than were asked for."""
+
+
+class PayloadChanged(FetchError):
+    """A file's identity (ETag, size or commit) differs from the one recorded when indexed."""
+
+
+class RetriesExhausted(FetchError):
+    """A transient failure persisted through every retry (the last cause is chained)."""
+
+
+# --- the byte budget -----------------------------------------------------------------------
+
+
+class BudgetError(RefstreamError):
+    """The byte budget cannot hold what was asked."""
+
+
+class EpisodeTooLarge(BudgetError, ValueError):
+    """One episode's synthesized size exceeds the whole budget (raised before any fetch)."""
+
+
+class BudgetClosed(BudgetError):
+    """The budget was closed while a caller waited on it or after it was closed."""
+
+
+# --- the sidecar index ---------------------------------------------------------------------
+
+
+class SidecarError(RefstreamError):
+    """The persistent MP4 index could not be built, installed or read."""
+
+
+class SidecarLockTimeout(SidecarError, TimeoutError):
+    """Waiting for another process's sidecar build exceeded the timeout (names lock and wait)."""
+
+
+class SidecarInvalid(SidecarError, ValueError):
+    """A sidecar file is corrupt, of another schema, or does not match the dataset's files."""
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+class DecodeError(RefstreamError):
+    """PyAV could not decode a synthesized episode video."""
+
+
+class FrameNotFound(DecodeError, ValueError):
+    """No decoded frame lies within tolerance of a requested time (names episode, camera, time)."""
