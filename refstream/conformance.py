@@ -1,0 +1,165 @@
+"""Run the golden fixtures in ``spec/fixtures`` against an implementation.
+
+A *case* is one JSON file ``spec/fixtures/<area>/<name>.json``::
+
+    {"kind": "<kind>", "description": "...", "input": {...}, "expected": {...}}
+
+An *implementation* is a command. For each case the runner starts it, writes
+``{"kind": ..., "input": ...}`` as JSON to its standard input and reads one JSON object, the
+answer, from its standard output. The answer passes when it equals ``expected`` exactly (JSON
+values; numbers compare by value, so ``1`` equals ``1.0``). An expected error is written
+``{"error": "<ClassName>"}`` with a class name from ``refstream.errors``; an implementation in
+another language answers with the same name.
+
+refstream's own adapter (``python -m refstream.conformance``) is the default implementation; with
+no ``--impl`` the runner calls the same adapter functions in-process, through the same JSON
+round trip, which is much faster than one interpreter per case.
+
+Usage::
+
+    refstream conformance                      # refstream itself
+    refstream conformance --impl "./my-impl"   # any command speaking the protocol
+    refstream conformance --kind plan          # only cases of one kind
+
+The runner prints one line per failing case with the first difference and ends with
+``N passed, N failed``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from refstream.errors import RefstreamError
+
+# The fixtures shipped with refstream: <repo>/spec/fixtures.
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
+
+# kind -> "module:function"; each function maps a case's input dict to an answer dict.
+ADAPTERS: dict[str, str] = {}
+
+# A case that makes an implementation run longer than this fails instead of hanging the runner.
+CASE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Case:
+    path: Path
+    kind: str
+    input: dict
+    expected: dict
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: Case
+    difference: str | None  # None when the answer equals the expectation
+
+
+def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list[Case]:
+    """Every case under ``root`` (sorted by path), optionally only those of one kind."""
+    cases = []
+    for path in sorted(root.rglob("*.json")):
+        document = json.loads(path.read_text())
+        if not isinstance(document, dict) or "kind" not in document:
+            continue  # descriptions of media files and other JSON live beside the cases
+        if kind is None or document["kind"] == kind:
+            cases.append(Case(path, document["kind"], document["input"], document["expected"]))
+    return cases
+
+
+def answer(kind: str, case_input: dict) -> dict:
+    """refstream's own answer to one case; refstream errors become ``{"error": name}``."""
+    if kind not in ADAPTERS:
+        return {"error": f"unknown kind {kind!r}"}
+    module_name, function_name = ADAPTERS[kind].split(":")
+    adapter = getattr(importlib.import_module(module_name), function_name)
+    try:
+        return adapter(case_input)
+    except RefstreamError as exc:
+        return {"error": type(exc).__name__}
+
+
+def first_difference(expected, actual, where: str = "") -> str | None:
+    """A description of the first place where two JSON values differ, or None if equal."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for key in sorted(set(expected) | set(actual)):
+            if key not in actual:
+                return f"{where}.{key}: missing"
+            if key not in expected:
+                return f"{where}.{key}: unexpected key"
+            found = first_difference(expected[key], actual[key], f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(expected, list) and isinstance(actual, list):
+        for i, (e, a) in enumerate(zip(expected, actual, strict=False)):
+            found = first_difference(e, a, f"{where}[{i}]")
+            if found:
+                return found
+        if len(expected) != len(actual):
+            return f"{where}: expected {len(expected)} items, got {len(actual)}"
+        return None
+    same_type = isinstance(expected, bool) == isinstance(actual, bool)
+    if same_type and expected == actual:
+        return None
+    return f"{where or '.'}: expected {_short(expected)}, got {_short(actual)}"
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def in_process(case: Case) -> dict:
+    """Ask refstream's own adapter, through the same JSON round trip as the protocol."""
+    return json.loads(json.dumps(answer(case.kind, json.loads(json.dumps(case.input)))))
+
+
+def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case], dict]:
+    """Ask an implementation command, one process per case, run inside ``fixtures``."""
+    argv = shlex.split(command)
+
+    def ask(case: Case) -> dict:
+        request = json.dumps({"kind": case.kind, "input": case.input})
+        try:
+            done = subprocess.run(
+                argv,
+                input=request,
+                capture_output=True,
+                text=True,
+                timeout=CASE_TIMEOUT_S,
+                cwd=fixtures,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {CASE_TIMEOUT_S} s"}
+        if done.returncode != 0:
+            return {"error": f"exit status {done.returncode}: {done.stderr.strip()[-200:]}"}
+        try:
+            return json.loads(done.stdout)
+        except json.JSONDecodeError:
+            return {"error": f"not JSON: {_short(done.stdout)}"}
+
+    return ask
+
+
+def run(cases: list[Case], ask: Callable[[Case], dict]) -> Iterator[Outcome]:
+    for case in cases:
+        yield Outcome(case, first_difference(case.expected, ask(case)))
+
+
+def main_adapter() -> int:
+    """The protocol end of refstream's adapter: one case on stdin, one answer on stdout."""
+    request = json.load(sys.stdin)
+    json.dump(answer(request["kind"], request["input"]), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_adapter())
