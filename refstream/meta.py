@@ -1,0 +1,573 @@
+"""LeRobot v3.0 dataset metadata: ``info.json``, the episodes table, tasks and path templates.
+
+Usage::
+
+    meta = load_meta(LocalSource("/data/my_dataset"))    # any Source: local, HTTP, hf://
+    ids = select_episodes(meta, [3, 7])                   # None selects every episode
+    meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
+
+Everything is read through a :class:`Source`, an object with one method
+``read_bytes(relpath) -> bytes`` that returns a whole file of the dataset by its path relative to
+the dataset root. No listing is needed: every file name is derived from ``meta/info.json``.
+:class:`LocalSource` reads a folder and :class:`MemorySource` a ``{relpath: bytes}`` dict; every
+source refuses unsafe paths with :func:`check_relpath` and reports a missing file as
+:class:`MalformedDataset` naming it (remote sources live in ``fetch.py``).
+
+What is read, in order (the normative rules are in ``spec/parts/40-metadata.md``):
+
+1. ``meta/info.json`` — ``codebase_version`` must be ``"v3.0"`` and ``storage_format`` absent or
+   ``"parquet"``; anything else is :class:`UnsupportedDataset` saying what the dataset is. Then
+   ``fps``, ``features`` (``dtype == "video"`` features are the cameras, in ``info.json`` order;
+   ``dtype == "image"`` features are refused: images stored inside Parquet are out of scope),
+   ``total_episodes``, ``total_frames``, ``chunks_size`` and the ``data_path`` / ``video_path``
+   templates (only the fields ``chunk_index``, ``file_index`` and ``video_key`` are allowed).
+2. ``meta/episodes/chunk-CCC/file-FFF.parquet`` files, starting at chunk 0 file 0 and moving to
+   the next file by LeRobot's rollover rule (``file + 1``, or ``chunk + 1, file 0`` after file
+   ``chunks_size − 1``) until ``total_episodes`` rows have been read. Only the columns refstream
+   uses are projected (:data:`EPISODE_COLUMNS` and four per camera); the ``stats/*`` columns are
+   never read.
+3. ``meta/tasks.parquet`` — the task string of each ``task_index``.
+
+Every per-episode column is a numpy array in episode order (``int64`` counts and indices,
+``float64`` seconds). Frames of an episode are ``dataset_to_index − dataset_from_index`` and must
+equal its ``length``. Every path built from a template is checked to be relative and to stay
+inside the dataset root (:class:`UnsafePath`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import string
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from refstream.errors import (
+    EpisodeSelectionError,
+    FetchError,
+    MalformedDataset,
+    UnsafePath,
+    UnsupportedDataset,
+    UsageError,
+)
+
+__all__ = [
+    "Source",
+    "LocalSource",
+    "MemorySource",
+    "DatasetMeta",
+    "load_meta",
+    "select_episodes",
+    "check_relpath",
+    "INFO_PATH",
+    "TASKS_PATH",
+    "EPISODES_PATH",
+    "EPISODE_COLUMNS",
+    "conformance_meta",
+]
+
+INFO_PATH = "meta/info.json"
+TASKS_PATH = "meta/tasks.parquet"
+# Fixed by LeRobot v3 (not a template in info.json): DEFAULT_EPISODES_PATH.
+EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+SUPPORTED_VERSION = "v3.0"
+# The command LeRobot ships to upgrade a v2.1 dataset, quoted in the error for older datasets.
+CONVERT_HINT = "python -m lerobot.datasets.v30.convert_dataset_v21_to_v30 --repo-id=<repo>"
+
+# Episodes-table columns read for every dataset; cameras add VIDEO_COLUMNS for each key.
+EPISODE_COLUMNS = (
+    "episode_index",
+    "length",
+    "dataset_from_index",
+    "dataset_to_index",
+    "data/chunk_index",
+    "data/file_index",
+)
+VIDEO_COLUMNS = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
+
+# Placeholders each template may (and must) use.
+DATA_FIELDS = frozenset({"chunk_index", "file_index"})
+VIDEO_FIELDS = frozenset({"video_key", "chunk_index", "file_index"})
+
+
+class Source(Protocol):
+    """Whole-file access to one dataset by root-relative POSIX path."""
+
+    def read_bytes(self, relpath: str) -> bytes:
+        """The file's bytes; a missing file raises :class:`MalformedDataset` naming it."""
+        ...
+
+
+def check_relpath(relpath: str) -> str:
+    """Return ``relpath`` if it is a safe root-relative POSIX path, else raise UnsafePath.
+
+    Safe: non-empty; no ``\\``, ``:`` or NUL character (no drive letters, URL schemes or Windows
+    separators); every ``/``-separated component non-empty and neither ``.`` nor ``..`` (so no
+    leading ``/``, no ``//`` and no way up). The check is lexical: symbolic links inside the root
+    (as in a Hugging Face cache snapshot) are followed by the operating system, not judged here.
+    """
+    if not isinstance(relpath, str) or not relpath:
+        raise UnsafePath(f"path {relpath!r} is empty or not a string")
+    if any(ch in relpath for ch in "\\:\x00"):
+        raise UnsafePath(f"path {relpath!r} contains '\\', ':' or NUL")
+    if any(part in ("", ".", "..") for part in relpath.split("/")):
+        raise UnsafePath(f"path {relpath!r} is absolute or has an empty, '.' or '..' component")
+    return relpath
+
+
+class MemorySource:
+    """A dataset held in memory as ``{relpath: bytes}`` (conformance cases, tests)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = dict(files)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        if check_relpath(relpath) not in self.files:
+            raise MalformedDataset(f"{relpath}: missing from the dataset")
+        return self.files[relpath]
+
+
+class LocalSource:
+    """A dataset in a local folder."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        path = self.root / check_relpath(relpath)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError as exc:
+            raise MalformedDataset(f"{relpath}: missing from dataset root {self.root}") from exc
+        except OSError as exc:
+            raise FetchError(f"{path}: cannot read ({exc})") from exc
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetMeta:
+    """What refstream needs of one LeRobot v3.0 dataset; per-episode arrays in episode order."""
+
+    fps: int  # frames per second of every episode and camera
+    features: dict  # info.json "features", verbatim
+    camera_keys: list[str]  # features with dtype "video", in info.json order
+    parquet_keys: list[str]  # every other feature: the data Parquet columns a sample carries
+    total_frames: int
+    total_episodes: int
+    episode_index: np.ndarray  # int64 episode ids, strictly increasing
+    from_index: np.ndarray  # int64 dataset_from_index: global index of the first frame
+    to_index: np.ndarray  # int64 dataset_to_index: one past the last frame
+    length: np.ndarray  # int64 frames per episode (= to_index - from_index)
+    data_chunk: np.ndarray  # int64 data/chunk_index
+    data_file: np.ndarray  # int64 data/file_index
+    video_chunk: dict[str, np.ndarray]  # camera -> int64 videos/K/chunk_index
+    video_file: dict[str, np.ndarray]  # camera -> int64 videos/K/file_index
+    video_from_s: dict[str, np.ndarray]  # camera -> float64 seconds, episode start in the file
+    video_to_s: dict[str, np.ndarray]  # camera -> float64 seconds, episode end in the file
+    tasks: list[str]  # task string of each task_index
+    data_path: str  # info.json template, fields chunk_index and file_index
+    video_path: str | None  # info.json template, fields video_key, chunk_index, file_index
+
+    def row(self, episode: int) -> int:
+        """Position of an episode id in the per-episode arrays (EpisodeSelectionError if absent)."""
+        pos = int(np.searchsorted(self.episode_index, episode))
+        if pos == len(self.episode_index) or self.episode_index[pos] != episode:
+            raise EpisodeSelectionError(f"episode {episode} is not in the dataset")
+        return pos
+
+    def frames(self, episode: int) -> int:
+        """Number of frames of an episode."""
+        return int(self.length[self.row(episode)])
+
+    def data_relpath(self, episode: int) -> str:
+        """Root-relative path of the data Parquet file that holds an episode's rows."""
+        row = self.row(episode)
+        return _format_path(
+            self.data_path,
+            "data_path",
+            chunk_index=int(self.data_chunk[row]),
+            file_index=int(self.data_file[row]),
+        )
+
+    def video_relpath(self, episode: int, camera: str) -> str:
+        """Root-relative path of the MP4 file that holds an episode's frames of one camera."""
+        if camera not in self.video_chunk:
+            raise UsageError(f"{camera!r} is not a camera of the dataset ({self.camera_keys})")
+        row = self.row(episode)
+        return _format_path(
+            self.video_path,
+            "video_path",
+            video_key=camera,
+            chunk_index=int(self.video_chunk[camera][row]),
+            file_index=int(self.video_file[camera][row]),
+        )
+
+
+def load_meta(source: Source) -> DatasetMeta:
+    """Read and validate a dataset's metadata (see the module docstring for the steps)."""
+    info = _read_info(source)
+    features = info["features"]
+    camera_keys = [key for key, feature in features.items() if feature["dtype"] == "video"]
+    columns = _read_episodes(source, info, camera_keys)
+    tasks = _read_tasks(source, info)
+    meta = DatasetMeta(
+        fps=info["fps"],
+        features=features,
+        camera_keys=camera_keys,
+        parquet_keys=[key for key in features if key not in camera_keys],
+        total_frames=info["total_frames"],
+        total_episodes=info["total_episodes"],
+        episode_index=columns["episode_index"],
+        from_index=columns["dataset_from_index"],
+        to_index=columns["dataset_to_index"],
+        length=columns["length"],
+        data_chunk=columns["data/chunk_index"],
+        data_file=columns["data/file_index"],
+        video_chunk={k: columns[f"videos/{k}/chunk_index"] for k in camera_keys},
+        video_file={k: columns[f"videos/{k}/file_index"] for k in camera_keys},
+        video_from_s={k: columns[f"videos/{k}/from_timestamp"] for k in camera_keys},
+        video_to_s={k: columns[f"videos/{k}/to_timestamp"] for k in camera_keys},
+        tasks=tasks,
+        data_path=info["data_path"],
+        video_path=info["video_path"],
+    )
+    _check_episodes(meta)
+    _check_paths(meta)
+    return meta
+
+
+def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[int]:
+    """The selected episode ids in ascending order; ``None`` selects every episode.
+
+    Duplicate or unknown ids, non-integers and an empty selection raise EpisodeSelectionError
+    naming them.
+    """
+    if episodes is None:
+        return [int(e) for e in meta.episode_index]
+    ids = list(episodes)
+    if not ids:
+        raise EpisodeSelectionError("episodes=[] selects no episode")
+    bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, int | np.integer)]
+    if bad:
+        raise EpisodeSelectionError(f"episode ids must be integers, got {bad!r}")
+    ids = [int(e) for e in ids]
+    duplicates = sorted(e for e, count in Counter(ids).items() if count > 1)
+    if duplicates:
+        raise EpisodeSelectionError(f"episodes selected more than once: {duplicates}")
+    known = set(meta.episode_index.tolist())
+    unknown = sorted(set(ids) - known)
+    if unknown:
+        raise EpisodeSelectionError(
+            f"episodes not in the dataset: {unknown} (it has {len(known)} episodes)"
+        )
+    return sorted(ids)
+
+
+# --- info.json ---------------------------------------------------------------------------------
+
+
+def _read_info(source: Source) -> dict:
+    try:
+        info = json.loads(source.read_bytes(INFO_PATH))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedDataset(f"{INFO_PATH}: not valid JSON ({exc})") from exc
+    if not isinstance(info, dict):
+        raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
+    _check_version(info)
+    for key in ("fps", "total_episodes", "total_frames", "chunks_size"):
+        value = info.get(key)
+        least = 1 if key in ("fps", "chunks_size") else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise MalformedDataset(
+                f"{INFO_PATH}: {key} must be an integer >= {least}, got {value!r}"
+            )
+    features = info.get("features")
+    if not isinstance(features, dict) or not features:
+        raise MalformedDataset(f"{INFO_PATH}: features must be a non-empty object")
+    for key, feature in features.items():
+        if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
+            raise MalformedDataset(f"{INFO_PATH}: feature {key!r} has no string dtype")
+    for key, feature in features.items():
+        if feature["dtype"] == "image":
+            raise UnsupportedDataset(
+                f"{INFO_PATH}: feature {key!r} has dtype 'image' (images stored inside Parquet); "
+                "refstream streams only cameras stored as videos"
+            )
+    has_cameras = any(feature["dtype"] == "video" for feature in features.values())
+    _check_template(info.get("data_path"), "data_path", DATA_FIELDS)
+    if has_cameras or info.get("video_path") is not None:
+        _check_template(info.get("video_path"), "video_path", VIDEO_FIELDS)
+    info.setdefault("video_path", None)
+    return info
+
+
+def _check_version(info: dict) -> None:
+    version = info.get("codebase_version")
+    storage = info.get("storage_format", "parquet")
+    if storage == "lance":
+        raise UnsupportedDataset(
+            f"{INFO_PATH}: LeRobot {version} dataset with storage_format 'lance' (a Lance table, "
+            "read by lerobot-lancedb); refstream reads only Parquet + MP4 layouts"
+        )
+    if storage != "parquet":
+        raise UnsupportedDataset(f"{INFO_PATH}: unknown storage_format {storage!r}")
+    if not isinstance(version, str):
+        raise MalformedDataset(f"{INFO_PATH}: codebase_version missing or not a string")
+    if version != SUPPORTED_VERSION:
+        hint = f"; convert it with LeRobot's `{CONVERT_HINT}`" if version.startswith("v2") else ""
+        raise UnsupportedDataset(
+            f"{INFO_PATH}: LeRobot {version} dataset; refstream reads only LeRobot "
+            f"{SUPPORTED_VERSION}{hint}"
+        )
+
+
+def _check_template(template: object, name: str, fields: frozenset[str]) -> None:
+    """A template is a str.format string using each of ``fields`` and nothing else."""
+    if not isinstance(template, str):
+        raise MalformedDataset(f"{INFO_PATH}: {name} must be a string, got {template!r}")
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise MalformedDataset(
+            f"{INFO_PATH}: {name} {template!r} is not a template ({exc})"
+        ) from exc
+    used = set()
+    for _, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if field not in fields or conversion is not None or "{" in (spec or ""):
+            raise MalformedDataset(
+                f"{INFO_PATH}: {name} {template!r} has placeholder {{{field}}}; "
+                f"allowed are {sorted(fields)} with a plain format spec"
+            )
+        used.add(field)
+    if used != fields:
+        raise MalformedDataset(
+            f"{INFO_PATH}: {name} {template!r} lacks placeholder(s) {sorted(fields - used)}"
+        )
+
+
+def _format_path(template: str | None, name: str, **values: object) -> str:
+    if template is None:
+        raise MalformedDataset(f"{INFO_PATH}: {name} is null")
+    try:
+        relpath = template.format(**values)
+    except (ValueError, KeyError, IndexError) as exc:
+        raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} with {values}: {exc}") from exc
+    try:
+        return check_relpath(relpath)
+    except UnsafePath as exc:
+        raise UnsafePath(f"{INFO_PATH}: {name} {template!r} gives an unsafe {exc}") from None
+
+
+# --- meta/episodes -----------------------------------------------------------------------------
+
+
+def _read_episodes(source: Source, info: dict, camera_keys: list[str]) -> dict[str, np.ndarray]:
+    """Concatenate the projected episode columns of every episodes file, in file order."""
+    wanted = list(EPISODE_COLUMNS)
+    for key in camera_keys:
+        wanted += [f"videos/{key}/{column}" for column in VIDEO_COLUMNS]
+    total = info["total_episodes"]
+    parts: dict[str, list[np.ndarray]] = {column: [] for column in wanted}
+    rows, chunk, file = 0, 0, 0
+    while rows < total:
+        relpath = EPISODES_PATH.format(chunk_index=chunk, file_index=file)
+        table = _read_columns(source, relpath, wanted)
+        if table.num_rows == 0:
+            raise MalformedDataset(f"{relpath}: no episodes ({rows} of {total} read before it)")
+        for column in wanted:
+            parts[column].append(_column_array(table, column, relpath))
+        rows += table.num_rows
+        # LeRobot's update_chunk_file_indices.
+        chunk, file = (chunk + 1, 0) if file == info["chunks_size"] - 1 else (chunk, file + 1)
+    if rows != total:
+        raise MalformedDataset(
+            f"meta/episodes: {rows} episode rows, but {INFO_PATH} total_episodes is {total}"
+        )
+    if total == 0:
+        return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}
+    return {column: np.concatenate(arrays) for column, arrays in parts.items()}
+
+
+def _read_columns(source: Source, relpath: str, columns: list[str]) -> pa.Table:
+    data = source.read_bytes(relpath)
+    try:
+        present = set(pq.read_schema(io.BytesIO(data)).names)
+        missing = [c for c in columns if c not in present]
+        if missing:
+            raise MalformedDataset(f"{relpath}: missing column(s) {missing}")
+        return pq.read_table(io.BytesIO(data), columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc
+
+
+def _column_array(table: pa.Table, column: str, relpath: str) -> np.ndarray:
+    """One column as int64 (indices, counts) or float64 (``*_timestamp`` seconds), no nulls."""
+    chunked = table[column]
+    if chunked.null_count:
+        raise MalformedDataset(f"{relpath}: column {column!r} has {chunked.null_count} null(s)")
+    seconds = column.endswith("_timestamp")
+    numeric = pa.types.is_integer(chunked.type) or (seconds and pa.types.is_floating(chunked.type))
+    if not numeric:
+        raise MalformedDataset(f"{relpath}: column {column!r} has type {chunked.type}")
+    return chunked.to_numpy().astype(np.float64 if seconds else np.int64)
+
+
+def _check_episodes(meta: DatasetMeta) -> None:
+    ids = meta.episode_index
+    if len(ids) and ids[0] < 0:
+        raise MalformedDataset(f"meta/episodes: negative episode_index {int(ids[0])}")
+    not_increasing = np.flatnonzero(np.diff(ids) <= 0)
+    if len(not_increasing):
+        i = int(not_increasing[0])
+        raise MalformedDataset(
+            f"meta/episodes: episode_index not strictly increasing: {int(ids[i])} then "
+            f"{int(ids[i + 1])} (ids must be unique and sorted)"
+        )
+    frames = meta.to_index - meta.from_index
+    bad = np.flatnonzero((frames != meta.length) | (meta.from_index < 0) | (frames < 0))
+    if len(bad):
+        i = int(bad[0])
+        raise MalformedDataset(
+            f"meta/episodes: episode {int(ids[i])}: dataset_to_index - dataset_from_index = "
+            f"{int(meta.to_index[i])} - {int(meta.from_index[i])} = {int(frames[i])}, "
+            f"but length is {int(meta.length[i])}"
+        )
+    if int(frames.sum()) != meta.total_frames:
+        raise MalformedDataset(
+            f"meta/episodes: episodes hold {int(frames.sum())} frames, but {INFO_PATH} "
+            f"total_frames is {meta.total_frames}"
+        )
+    for key in meta.camera_keys:
+        start, end = meta.video_from_s[key], meta.video_to_s[key]
+        bad = np.flatnonzero(
+            ~(np.isfinite(start) & np.isfinite(end) & (start >= 0) & (end >= start))
+        )
+        if len(bad):
+            i = int(bad[0])
+            raise MalformedDataset(
+                f"meta/episodes: episode {int(ids[i])}: videos/{key} from_timestamp "
+                f"{float(start[i])!r} / to_timestamp {float(end[i])!r} is not 0 <= from <= to"
+            )
+    for name, values in [("data", (meta.data_chunk, meta.data_file))] + [
+        (f"videos/{k}", (meta.video_chunk[k], meta.video_file[k])) for k in meta.camera_keys
+    ]:
+        bad = np.flatnonzero((values[0] < 0) | (values[1] < 0))
+        if len(bad):
+            raise MalformedDataset(
+                f"meta/episodes: episode {int(ids[bad[0]])}: negative {name} chunk/file index"
+            )
+
+
+def _check_paths(meta: DatasetMeta) -> None:
+    """Format every distinct (chunk, file) pair once, so a bad template fails at load time."""
+    for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
+        _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
+    for key in meta.camera_keys:
+        for chunk, file in _distinct_pairs(meta.video_chunk[key], meta.video_file[key]):
+            _format_path(
+                meta.video_path, "video_path", video_key=key, chunk_index=chunk, file_index=file
+            )
+
+
+def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:
+    if not len(chunks):
+        return []
+    pairs = np.unique(np.stack([chunks, files], axis=1), axis=0)
+    return [(int(c), int(f)) for c, f in pairs]
+
+
+# --- meta/tasks.parquet ------------------------------------------------------------------------
+
+
+def _read_tasks(source: Source, info: dict) -> list[str]:
+    """Task strings by task_index. LeRobot writes a pandas frame indexed by the task string; in
+    Parquet that index is the string column ``task`` beside the int column ``task_index``."""
+    table = _read_columns(source, TASKS_PATH, ["task_index", "task"])
+    task_type = table["task"].type
+    if table["task"].null_count or not (
+        pa.types.is_string(task_type) or pa.types.is_large_string(task_type)
+    ):
+        raise MalformedDataset(f"{TASKS_PATH}: column 'task' must hold strings without nulls")
+    index = _column_array(table, "task_index", TASKS_PATH)
+    if sorted(index.tolist()) != list(range(len(index))):
+        raise MalformedDataset(
+            f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are not 0..{len(index) - 1}"
+        )
+    total = info.get("total_tasks")
+    if total is not None and total != len(index):
+        raise MalformedDataset(
+            f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks is {total}"
+        )
+    tasks = [""] * len(index)
+    for position, text in zip(index.tolist(), table["task"].to_pylist(), strict=True):
+        tasks[position] = text
+    return tasks
+
+
+# --- conformance -------------------------------------------------------------------------------
+
+# Arrow types a conformance case may give a Parquet column.
+CASE_COLUMN_TYPES = {
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+    "list<string>": pa.list_(pa.string()),
+    "list<float64>": pa.list_(pa.float64()),
+}
+
+
+def conformance_meta(case: dict) -> dict:
+    """Conformance adapter of kind ``meta``.
+
+    Input ``{"files": {relpath: file}, "select": [int] | null (optional)}`` where a file is
+    ``{"json": value}``, ``{"text": str}`` or
+    ``{"parquet": {column: {"type": T, "values": [...]}}}`` with T one of
+    :data:`CASE_COLUMN_TYPES` (written as one Parquet file with one row group). The answer lists
+    the loaded metadata per episode (see ``spec/parts/40-metadata.md``) and, when ``select`` is
+    present, ``selection``.
+    """
+    meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))
+    ids = [int(e) for e in meta.episode_index]
+    answer = {
+        "fps": meta.fps,
+        "camera_keys": meta.camera_keys,
+        "parquet_keys": meta.parquet_keys,
+        "total_episodes": meta.total_episodes,
+        "total_frames": meta.total_frames,
+        "episode_index": ids,
+        "from_index": meta.from_index.tolist(),
+        "to_index": meta.to_index.tolist(),
+        "frames": [meta.frames(e) for e in ids],
+        "data_relpath": [meta.data_relpath(e) for e in ids],
+        "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
+        "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
+        "video_to_s": {k: meta.video_to_s[k].tolist() for k in meta.camera_keys},
+        "tasks": meta.tasks,
+    }
+    if "select" in case:
+        answer["selection"] = select_episodes(meta, case["select"])
+    return answer
+
+
+def _case_file(description: dict) -> bytes:
+    if "json" in description:
+        return json.dumps(description["json"]).encode()
+    if "text" in description:
+        return description["text"].encode()
+    table = pa.table(
+        {
+            name: pa.array(column["values"], CASE_COLUMN_TYPES[column["type"]])
+            for name, column in description["parquet"].items()
+        }
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()

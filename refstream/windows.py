@@ -1,0 +1,132 @@
+"""Temporal windows: ``delta_timestamps`` → row offsets, clamped rows and ``{key}_is_pad`` masks.
+
+Usage::
+
+    windows = make_windows({"action": [0, 1 / 30, 2 / 30]}, fps=30, tolerance_s=1e-4,
+                           feature_keys=meta.features)
+    rows, is_pad = window_rows(windows.offsets["action"], frame=28, length=30)
+    # rows == [28, 29, 29], is_pad == [False, False, True]
+
+This is LeRobot's map-style rule restated on episode-local rows (the normative text is
+``spec/parts/50-windows.md``):
+
+* every delta ``d`` (seconds) must satisfy ``|d·fps − round(d·fps)| / fps ≤ tolerance_s``,
+  computed in IEEE-754 double precision, else :class:`UsageError` naming the key and the value;
+* its row offset is ``round(d·fps)``, rounding halves to even (Python's ``round``);
+* for an anchor ``frame`` of an episode of ``length`` rows, the window's rows are
+  ``clamp(frame + offset, 0, length − 1)`` (the boundary row repeats) and
+  ``is_pad = frame + offset < 0 or frame + offset ≥ length``.
+
+The module is I/O-free and imports only the stdlib and numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refstream.errors import UsageError
+
+__all__ = ["Windows", "make_windows", "window_rows", "conformance_windows"]
+
+
+@dataclass(frozen=True, eq=False)
+class Windows:
+    """Row offsets of every windowed key (int64 rows relative to the anchor, in the given order).
+
+    A key without a window is absent; its sample holds the anchor row only and has no
+    ``{key}_is_pad`` entry.
+    """
+
+    offsets: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def make_windows(
+    delta_timestamps: Mapping[str, Sequence[float]] | None,
+    fps: int,
+    tolerance_s: float,
+    *,
+    feature_keys: Collection[str] | None = None,
+) -> Windows:
+    """Validate ``delta_timestamps`` (seconds per key) and convert them to row offsets.
+
+    ``feature_keys``, when given, are the dataset's features; a key outside them is a UsageError.
+    ``None`` gives no windows.
+    """
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
+        raise UsageError(f"fps must be a positive integer, got {fps!r}")
+    if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
+        raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
+    if delta_timestamps is None:
+        return Windows({})
+    if not isinstance(delta_timestamps, Mapping):
+        raise UsageError(
+            f"delta_timestamps must map keys to lists of seconds, got {delta_timestamps!r}"
+        )
+    offsets = {}
+    for key, deltas in delta_timestamps.items():
+        if feature_keys is not None and key not in feature_keys:
+            raise UsageError(
+                f"delta_timestamps key {key!r} is not a feature (features: {sorted(feature_keys)})"
+            )
+        if isinstance(deltas, np.ndarray) and deltas.ndim == 1:
+            deltas = deltas.tolist()
+        if isinstance(deltas, str) or not isinstance(deltas, Sequence) or not deltas:
+            raise UsageError(f"delta_timestamps[{key!r}] must be a non-empty list of seconds")
+        offsets[key] = np.array([_offset(key, d, fps, tolerance_s) for d in deltas], np.int64)
+    return Windows(offsets)
+
+
+def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Episode-local rows (int64, clamped into ``[0, length)``) and the pad mask (bool)."""
+    if not 0 <= frame < length:
+        raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
+    target = frame + np.asarray(offsets, dtype=np.int64)
+    return np.clip(target, 0, length - 1), (target < 0) | (target >= length)
+
+
+def conformance_windows(case: dict) -> dict:
+    """Conformance adapter of kind ``windows``.
+
+    Input ``{delta_timestamps, fps, tolerance_s, length, frames, feature_keys?}``; answer
+    ``{offsets: {key: [int]}, rows: {key: [[int] per frame]}, is_pad: {key: [[bool] per frame]}}``.
+    """
+    windows = make_windows(
+        case["delta_timestamps"],
+        case["fps"],
+        case["tolerance_s"],
+        feature_keys=case.get("feature_keys"),
+    )
+    rows: dict[str, list] = {key: [] for key in windows.offsets}
+    is_pad: dict[str, list] = {key: [] for key in windows.offsets}
+    for frame in case["frames"]:
+        for key, offsets in windows.offsets.items():
+            key_rows, key_pad = window_rows(offsets, frame, case["length"])
+            rows[key].append(key_rows.tolist())
+            is_pad[key].append(key_pad.tolist())
+    return {
+        "offsets": {key: offsets.tolist() for key, offsets in windows.offsets.items()},
+        "rows": rows,
+        "is_pad": is_pad,
+    }
+
+
+def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
+    """round(delta_s·fps) after LeRobot's check_delta_timestamps tolerance test."""
+    if isinstance(delta_s, bool) or not _is_number(delta_s):
+        raise UsageError(f"delta_timestamps[{key!r}] holds {delta_s!r}, not a finite number")
+    ticks = float(delta_s) * fps  # IEEE double product, as LeRobot computes it
+    nearest = round(ticks)  # Python rounds halves to even
+    if abs(ticks - nearest) / fps > tolerance_s:
+        raise UsageError(
+            f"delta_timestamps[{key!r}] value {delta_s!r} s is {abs(ticks - nearest) / fps:.3g} s "
+            f"from a frame at {fps} fps (tolerance_s {tolerance_s})"
+        )
+    return nearest
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and math.isfinite(value)
