@@ -42,7 +42,18 @@ from refstream.errors import RefstreamError
 FIXTURES_DIR = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
 
 # kind -> "module:function"; each function maps a case's input dict to an answer dict.
-ADAPTERS: dict[str, str] = {}
+ADAPTERS: dict[str, str] = {
+    "rng": "refstream.rng:conformance_rng",
+    "shard": "refstream.shard:conformance_shard",
+    "limits": "refstream.shard:conformance_limits",
+    "plan": "refstream.planner:conformance_plan",
+    "batches_per_worker": "refstream.planner:conformance_batches_per_worker",
+    "resume": "refstream.planner:conformance_resume",
+    "epoch_batches": "refstream.planner:conformance_epoch_batches",
+    "resume_state": "refstream.planner:conformance_resume_state",
+    "meta": "refstream.meta:conformance_meta",
+    "windows": "refstream.windows:conformance_windows",
+}
 
 # A case that makes an implementation run longer than this fails instead of hanging the runner.
 CASE_TIMEOUT_S = 120

@@ -1,0 +1,333 @@
+"""Independent, deliberately plain re-implementations of the spec's RNG, sharding, planner and
+DataLoader batch order — the oracles the core tests and the rng/shard/plan/resume fixtures are
+checked against. Written from ``spec/parts/{10-rng,20-sharding,30-planner}.md``, sharing no code
+with ``refstream``: Python integers only, lists instead of heaps and deques, whole simulations.
+
+``python3 tests/core_oracle.py`` (re)writes the fixtures of those areas from these oracles.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+M64 = 2**64
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+
+
+def finalise(z: int) -> int:
+    z %= M64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % M64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % M64
+    return z ^ (z >> 31)
+
+
+def words_of(label) -> list[int]:
+    if isinstance(label, int):
+        return [1, label % M64]
+    raw = label.encode("utf-8")
+    padded = raw + b"\0" * (-len(raw) % 8)
+    chunks = [padded[j : j + 8] for j in range(0, len(padded), 8)]
+    return [2, len(raw)] + [struct.unpack("<Q", chunk)[0] for chunk in chunks]
+
+
+def key_of(seed: int, *labels) -> int:
+    k = seed
+    for label in labels:
+        for w in words_of(label):
+            k = finalise((k ^ w) + 0x9E3779B97F4A7C15)
+    return k
+
+
+def word(key: int, i: int) -> int:
+    return finalise(key + (i + 1) * 0x9E3779B97F4A7C15)
+
+
+def draw_below(n: int, key: int, i: int) -> int:
+    return word(key, i) * n // M64
+
+
+def keyed_order(key: int, ids) -> list[int]:
+    return sorted(ids, key=lambda i: (word(key, i), i))
+
+
+# --- sharding -------------------------------------------------------------------------------------
+
+
+def lpt(ids, frames, parts: int) -> list[list[int]]:
+    shards = [[] for _ in range(parts)]
+    load = [0] * parts
+    items = [e for e in zip(ids, frames, strict=True) if e[1] > 0]
+    items.sort(key=lambda e: (-e[1], e[0]))
+    for episode, count in items:
+        target = min(range(parts), key=lambda p: (load[p], p))
+        shards[target].append(episode)
+        load[target] += count
+    return shards
+
+
+# --- planner ------------------------------------------------------------------------------------
+
+
+def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
+         byte_sizes=None, byte_budget=None):
+    """The whole epoch as a list of steps: ("admit", e) / ("evict", e) / ("anchor", e, f)."""
+    count = {e: f for e, f in zip(episodes, frames, strict=True) if f > 0}
+    size = dict(zip(episodes, byte_sizes, strict=True)) if byte_sizes is not None else None
+    pending = keyed_order(key_of(seed, epoch, "admit"), list(count))
+    residents = []  # [episode, frame list in emission order, next position]
+    steps = []
+
+    def used_bytes():
+        return sum(size[r[0]] for r in residents) if size is not None else 0
+
+    def admit():
+        while len(residents) < pool_size and pending:
+            choice = None
+            for e in pending:
+                if size is None or size[e] <= byte_budget - used_bytes():
+                    choice = e
+                    break
+            if choice is None:
+                return
+            pending.remove(choice)
+            order = keyed_order(key_of(seed, epoch, "frames", choice), range(count[choice]))
+            residents.append([choice, order, 0])
+            steps.append(("admit", choice))
+
+    admit()
+    draw = 0
+    rounds = 0
+    this_round = []
+    while residents:
+        if strategy == "pool":
+            left = [len(r[1]) - r[2] for r in residents]
+            t = draw_below(sum(left), key_of(seed, epoch, "draw", rank, worker), draw)
+            index = 0
+            while t >= left[index]:
+                t -= left[index]
+                index += 1
+            chosen = residents[index]
+        else:
+            if not this_round:
+                ids = [r[0] for r in residents]
+                this_round = keyed_order(key_of(seed, epoch, "round", rank, worker, rounds), ids)
+                rounds += 1
+            episode = this_round.pop(0)
+            chosen = next(r for r in residents if r[0] == episode)
+        draw += 1
+        steps.append(("anchor", chosen[0], chosen[1][chosen[2]]))
+        chosen[2] += 1
+        if chosen[2] == len(chosen[1]):
+            residents.remove(chosen)
+            steps.append(("evict", chosen[0]))
+            admit()
+    return steps
+
+
+def anchors_of(steps) -> list[tuple[int, int]]:
+    return [(s[1], s[2]) for s in steps if s[0] == "anchor"]
+
+
+# --- the DataLoader's in-order batch assembly --------------------------------------------------
+
+
+def dataloader(worker_streams, batch_size: int, max_batches: int | None = None):
+    """Batches an in-order DataLoader yields from per-worker sample iterables: worker p batches
+    its own samples (last batch may be short), turns go 0, 1, …, a finished worker is dropped."""
+    iterators = [iter(s) for s in worker_streams]
+    alive = list(range(len(iterators)))
+    batches = []
+    turn = 0
+    while alive and (max_batches is None or len(batches) < max_batches):
+        p = alive[turn]
+        batch = []
+        for sample in iterators[p]:
+            batch.append(sample)
+            if len(batch) == batch_size:
+                break
+        if not batch:
+            alive.pop(turn)
+            if alive:
+                turn %= len(alive)
+            continue
+        batches.append((p, batch))
+        if len(batch) < batch_size:
+            alive.pop(turn)  # a short batch means the worker's iterator is exhausted
+            if alive:
+                turn %= len(alive)
+        else:
+            turn = (turn + 1) % len(alive)
+    return batches
+
+
+def replay(k: int, limits):
+    """batches_per_worker by simulation: workers yield limits[w] batches (None: endless); returns
+    the batches each produced among the first k and the worker that produces batch k+1 (0 if
+    none is left)."""
+    streams = [range(limit) if limit is not None else _endless() for limit in limits]
+    got = dataloader(streams, 1, max_batches=k + 1)
+    counts = [0] * len(limits)
+    for p, _ in got[:k]:
+        counts[p] += 1
+    return counts, (got[k][0] if len(got) > k else 0)
+
+
+def _endless():
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
+
+
+def expected_rng(inp: dict) -> dict:
+    if not 0 <= inp["seed"] < M64:
+        return {"error": "UsageError"}
+    key = key_of(inp["seed"], *inp["labels"])
+    return {
+        "key": "0x" + format(key, "016x"),
+        "u64": ["0x" + format(word(key, i), "016x") for i in inp["indices"]],
+        "below": [draw_below(inp["below_n"], key, i) for i in inp["indices"]],
+        "permutation": keyed_order(key, inp["permute"]),
+    }
+
+
+def expected_plan(inp: dict) -> dict:
+    if inp.get("byte_sizes") is not None:
+        for f, s in zip(inp["frames"], inp["byte_sizes"], strict=True):
+            if f > 0 and s > inp["byte_budget"]:
+                return {"error": "EpisodeTooLarge"}
+    seed = 42 if inp["seed"] is None else inp["seed"]  # the spec's default seed
+    steps = plan(inp["episodes"], inp["frames"], seed=seed, epoch=inp["epoch"],
+                 rank=inp["rank"], worker=inp["worker"], strategy=inp["strategy"],
+                 pool_size=inp["pool_size"], byte_sizes=inp.get("byte_sizes"),
+                 byte_budget=inp.get("byte_budget"))
+    skip = inp.get("skip", 0)
+    anchors = anchors_of(steps)
+    # the frontier after `skip` anchors: pending episodes in admission order at that moment
+    admitted_by_then = []
+    seen = 0
+    for s in steps:
+        if s[0] == "anchor":
+            if seen == skip:
+                break
+            seen += 1
+        elif s[0] == "admit":
+            admitted_by_then.append(s[1])
+    order = keyed_order(key_of(seed, inp["epoch"], "admit"),
+                        [e for e, f in zip(inp["episodes"], inp["frames"], strict=True) if f > 0])
+    pending = [e for e in order if e not in admitted_by_then]
+    return {
+        "anchors": [list(a) for a in anchors[skip:]],
+        "frontier": pending[: inp.get("frontier", 0)],
+        "admitted": [s[1] for s in steps if s[0] == "admit"],
+        "evicted": [s[1] for s in steps if s[0] == "evict"],
+    }
+
+
+def expected_shard(inp: dict) -> dict:
+    ids, frames = inp["episodes"], inp["frames"]
+    count = dict(zip(ids, frames, strict=True))
+    ranks = lpt(ids, frames, inp["world_size"])
+    if any(not r for r in ranks):
+        return {"error": "ShardingError"}
+    workers = []
+    for r in ranks:
+        w = lpt(r, [count[e] for e in r], inp["num_workers"])
+        if any(not part for part in w):
+            return {"error": "ShardingError"}
+        workers.append(w)
+    return {
+        "ranks": ranks,
+        "rank_frames": [sum(count[e] for e in r) for r in ranks],
+        "workers": workers,
+        "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers],
+    }
+
+
+def expected_resume(inp: dict) -> dict:
+    frames, b, epoch = inp["worker_frames"], inp["batch_size"], inp["epoch"]
+    if inp["samples"] % b:
+        return {"error": "ResumeError"}
+    k = inp["samples"] // b
+    n = len(frames)
+    if inp["repeat"]:
+        def endless_epochs(w):
+            e = epoch
+            while True:
+                for i in range(frames[w]):
+                    yield (e, i)
+                e += 1
+        got = dataloader([endless_epochs(w) for w in range(n)], b, max_batches=k + 1)
+        position = [(epoch, 0)] * n
+        for p, batch in got[:k]:
+            e, i = batch[-1]
+            position[p] = (e + 1, 0) if i + 1 == frames[p] else (e, i + 1)
+        return {"epochs": [e for e, _ in position], "offsets": [i for _, i in position],
+                "stops": [None] * n, "rotation": got[k][0]}
+    one_epoch = [range(f) for f in frames]
+    per_epoch = inp.get("rank_batches") or len(dataloader(one_epoch, b))
+    whole, k = divmod(k, per_epoch)
+    got = dataloader(one_epoch, b)
+    offsets, stops = [0] * n, [0] * n
+    for index, (p, batch) in enumerate(got[:per_epoch]):
+        stops[p] += len(batch)
+        if index < k:
+            offsets[p] += len(batch)
+    return {"epochs": [epoch + whole] * n, "offsets": offsets, "stops": stops,
+            "rotation": got[k][0] if k < len(got) else 0}
+
+
+def expected_epoch_batches(inp: dict) -> dict:
+    b = inp["batch_size"]
+    return {"batches": min(len(dataloader([range(f) for f in rank], b))
+                           for rank in inp["world_worker_frames"])}
+
+
+def expected_batches_per_worker(inp: dict) -> dict:
+    counts, nxt = replay(inp["batches"], inp["limits"])
+    return {"counts": counts, "next": nxt}
+
+
+ORACLES = {
+    "rng": expected_rng,
+    "plan": expected_plan,
+    "shard": expected_shard,
+    "resume": expected_resume,
+    "epoch_batches": expected_epoch_batches,
+    "batches_per_worker": expected_batches_per_worker,
+}
+
+def _write(area: str, name: str, kind: str, description: str, inp: dict, expected: dict) -> None:
+    folder = FIXTURES / area
+    folder.mkdir(parents=True, exist_ok=True)
+    document = {"kind": kind, "description": description, "input": inp, "expected": expected}
+    (folder / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+
+
+def write_fixtures(cases) -> None:
+    """Write every case; an oracle computes the expectation, and must agree with any
+    hand-derived one given in the case."""
+    for area, name, kind, description, inp, expected in cases:
+        if kind in ORACLES:
+            computed = ORACLES[kind](inp)
+            if expected is not None and expected != computed:
+                raise AssertionError(f"{area}/{name}: hand-derived {expected} != oracle {computed}")
+            expected = computed
+        _write(area, name, kind, description, inp, expected)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from core_cases import CASES
+
+    write_fixtures(CASES)
