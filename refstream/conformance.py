@@ -53,6 +53,10 @@ ADAPTERS: dict[str, str] = {
     "resume_state": "refstream.planner:conformance_resume_state",
     "meta": "refstream.meta:conformance_meta",
     "windows": "refstream.windows:conformance_windows",
+    "range_response": "refstream.fetch:conformance_range_response",
+    "hf_url": "refstream.fetch:conformance_hf_url",
+    "row_group_candidates": "refstream.tables:conformance_row_group_candidates",
+    "budget_ops": "refstream.budget:conformance_budget_ops",
 }
 
 # A case that makes an implementation run longer than this fails instead of hanging the runner.

@@ -1,0 +1,124 @@
+"""One episode's rows from a LeRobot v3 data Parquet file, read by range.
+
+Public calls::
+
+    table = read_episode_rows(source, relpath, episode, expected_rows, columns)
+    candidate_row_groups(stats, episode) -> list[int]      # the pruning rule on its own
+
+``read_episode_rows`` returns a ``pyarrow.Table`` with exactly ``columns`` (in that order,
+duplicates removed) and ``expected_rows`` rows in file order — a table rather than numpy arrays
+because list/struct features keep their Arrow types and the caller converts once per sample.
+It reads through :class:`refstream.fetch.RangeFile`, so only the footer and the column chunks of
+the candidate row groups travel, and it:
+
+1. opens the footer and checks that every asked column exists (else :class:`TableError`);
+2. reads ``columns`` plus ``episode_index`` (and ``frame_index`` when the file has it, for
+   validation) — the extra columns are dropped again before returning;
+3. prunes row groups with the ``episode_index`` column-chunk statistics
+   (:func:`candidate_row_groups`): a group is read when its statistics are missing or have no
+   min/max, or when ``min <= episode <= max``. An episode may span several groups, pure or
+   mixed, so all candidates are read;
+4. keeps the rows with ``episode_index == episode`` (order preserved);
+5. validates: the row count equals ``expected_rows``, and if the file has ``frame_index`` it is
+   exactly ``0, 1, …, expected_rows - 1``.
+
+Every failure is a :class:`TableError` naming the file and the episode; pyarrow's own errors are
+translated (``raise TableError(...) from exc``); fetch errors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from refstream.errors import RefstreamError, TableError, UsageError
+from refstream.fetch import RangeFile, Source
+
+__all__ = [
+    "read_episode_rows",
+    "candidate_row_groups",
+    "conformance_row_group_candidates",
+    "EPISODE_COLUMN",
+    "FRAME_COLUMN",
+]
+
+EPISODE_COLUMN = "episode_index"
+FRAME_COLUMN = "frame_index"
+
+
+def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:
+    """Indices of the row groups that may hold ``episode``.
+
+    ``stats[i]`` is ``(min, max)`` of group ``i``'s ``episode_index`` column, or None when the
+    group has no usable statistics (such a group is always a candidate).
+    """
+    return [i for i, s in enumerate(stats) if s is None or s[0] <= episode <= s[1]]
+
+
+def read_episode_rows(
+    source: Source, relpath: str, episode: int, expected_rows: int, columns: Sequence[str]
+) -> pa.Table:
+    """The rows of ``episode`` in ``relpath``, projected to ``columns`` (module docstring)."""
+    wanted = list(dict.fromkeys(columns))
+    if not wanted:
+        raise UsageError(f"{relpath}: episode {episode}: no columns asked")
+    if expected_rows <= 0:
+        raise UsageError(f"{relpath}: episode {episode}: expected_rows must be > 0")
+    where = f"{relpath}: episode {episode}"
+    try:
+        parquet = pq.ParquetFile(RangeFile(source, relpath))
+        names = parquet.schema_arrow.names
+        missing = [c for c in [*wanted, EPISODE_COLUMN] if c not in names]
+        if missing:
+            raise TableError(f"{where}: columns {missing} are not in the file")
+        extra = [c for c in (EPISODE_COLUMN, FRAME_COLUMN) if c in names and c not in wanted]
+        groups = candidate_row_groups(_episode_stats(parquet), episode)
+        table = parquet.read_row_groups(groups, columns=[*wanted, *extra])
+        table = table.filter(pc.equal(table[EPISODE_COLUMN], pa.scalar(episode, pa.int64())))
+        _validate(table, where, expected_rows)
+    except RefstreamError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        raise TableError(f"{where}: cannot read Parquet ({exc})") from exc
+    return table.select(wanted)
+
+
+def _episode_stats(parquet: pq.ParquetFile) -> list[tuple[int, int] | None]:
+    """``(min, max)`` of ``episode_index`` per row group, None where unusable."""
+    metadata = parquet.metadata
+    if metadata.num_row_groups == 0:
+        return []
+    first = metadata.row_group(0)
+    leaf = next(i for i in range(first.num_columns)
+                if first.column(i).path_in_schema == EPISODE_COLUMN)
+    stats: list[tuple[int, int] | None] = []
+    for group in range(metadata.num_row_groups):
+        chunk = metadata.row_group(group).column(leaf).statistics
+        if chunk is None or not chunk.has_min_max:
+            stats.append(None)
+        else:
+            stats.append((int(chunk.min), int(chunk.max)))
+    return stats
+
+
+def _validate(table: pa.Table, where: str, expected_rows: int) -> None:
+    if table.num_rows != expected_rows:
+        raise TableError(f"{where}: expected {expected_rows} rows, found {table.num_rows}")
+    if FRAME_COLUMN in table.column_names:
+        frames = table[FRAME_COLUMN].to_numpy()
+        if not np.array_equal(frames, np.arange(expected_rows)):
+            bad = int(np.flatnonzero(frames != np.arange(expected_rows))[0])
+            raise TableError(
+                f"{where}: non-contiguous frame_index: row {bad} has {int(frames[bad])}"
+            )
+
+
+def conformance_row_group_candidates(case: dict) -> dict:
+    """Conformance kind ``row_group_candidates``: :func:`candidate_row_groups` of
+    ``stats`` (a list of ``[min, max]`` or null per row group) for ``episode``."""
+    stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
+    return {"candidates": candidate_row_groups(stats, int(case["episode"]))}

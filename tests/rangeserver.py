@@ -1,0 +1,330 @@
+"""A fault-injecting loopback HTTP range server for tests (stdlib only).
+
+Usage::
+
+    with RangeServer(folder, faults=Faults(reset=0.05, seed=1)) as server:
+        url = server.url                       # http://127.0.0.1:PORT
+        server.script("503", "503")            # the next two requests fail with 503, in order
+        server.replace_file("a.bin", data)     # new content, new ETag (same size if you like)
+        server.log                             # list of RequestRecord, one per request
+
+It serves the files under ``folder`` at ``/<relpath>`` with ``GET`` / ``HEAD``, ``Range:
+bytes=a-b`` (one range), a strong ``ETag`` (hash of the content) and ``Content-Length``. As a
+fake Hugging Face Hub (``hub=HubConfig(...)``) it also answers
+``/api/datasets/OWNER/NAME/revision/REV`` with ``{"sha": ...}`` and serves
+``/datasets/OWNER/NAME/resolve/REV/<relpath>`` and ``/buckets/OWNER/NAME/resolve/<relpath>``;
+with ``redirect_to=<other server>`` every file request gets a ``302`` to the same file on the
+other server (carrying ``X-Linked-Etag`` / ``X-Linked-Size`` like the Hub's).
+
+Fault modes (names accepted by :meth:`RangeServer.script`, probabilities in :class:`Faults`):
+
+====================  ==========================================================================
+``reset``             headers and half the body, then a TCP reset
+``500/502/503``       that status (a burst: ``Faults.burst`` consecutive requests)
+``429``               429 with ``Retry-After: Faults.retry_after``
+``short``             full ``Content-Length``, half the body, then the connection closes
+``ignore_range``      200 with the whole file
+``200_content_range`` 200 with a ``Content-Range`` and the asked slice
+``wrong_range``       206 whose ``Content-Range`` and body are shifted by one byte
+``416``               416 with ``Content-Range: bytes */size``
+``403``               403, as a CDN answers an expired signed URL
+``slow``              waits ``Faults.slow_s`` before the status line
+``redirect``          302 to the same path on ``redirect_to``
+====================  ==========================================================================
+
+Random faults hit only range GETs; scripted ones hit the next requests whatever they are. The
+status faults (5xx, 429, 403) apply to every path, the Hub API included; the others to file
+answers.
+
+Bounded: daemon threads, at most ``max_requests`` served (later requests get a 503 and
+``overflowed`` is set), waits end at :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
+
+FAULT_MODES = ("reset", "500", "502", "503", "429", "short", "ignore_range", "200_content_range",
+               "wrong_range", "416", "slow", "redirect", "403")
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+_HUB_RESOLVE = re.compile(r"/datasets/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)")
+_BUCKET_RESOLVE = re.compile(r"/buckets/([^/]+)/([^/]+)/resolve/(.+)")
+_HUB_REVISION = re.compile(r"/api/datasets/([^/]+)/([^/]+)/revision/([^/]+)")
+
+
+@dataclass
+class Faults:
+    """Per-request fault probabilities (0..1) for range GETs, drawn from a seeded RNG."""
+
+    reset: float = 0.0
+    status_5xx: float = 0.0  # starts a burst of 500/502/503
+    burst: int = 1  # requests per 5xx burst
+    too_many: float = 0.0  # 429
+    short: float = 0.0
+    ignore_range: float = 0.0
+    wrong_range: float = 0.0
+    slow: float = 0.0
+    retry_after: str = "0"
+    slow_s: float = 2.0
+    seed: int = 0
+
+
+@dataclass
+class HubConfig:
+    """The fake Hub's repository: revisions it knows and the token it requires (if any)."""
+
+    revisions: dict[str, str] = field(default_factory=dict)  # branch/tag -> 40-hex commit
+    token: str | None = None  # if set, resolve and API calls without it get 401
+
+
+@dataclass
+class RequestRecord:
+    """One request, logged on arrival (``status`` is filled in when the answer starts)."""
+
+    method: str
+    path: str
+    range: str | None
+    authorization: bool  # whether an Authorization header arrived
+    headers: dict[str, str]
+    mode: str  # fault mode applied, "" for a normal answer
+    status: int = 0
+
+
+class RangeServer:
+    """One loopback server (see the module docstring)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        host: str = "127.0.0.1",
+        faults: Faults | None = None,
+        hub: HubConfig | None = None,
+        redirect_to: RangeServer | None = None,
+        max_requests: int = 5000,
+    ) -> None:
+        self.folder = Path(folder)
+        self.faults = faults or Faults()
+        self.hub = hub
+        self.redirect_to = redirect_to
+        self.max_requests = max_requests
+        self.log: list[RequestRecord] = []
+        self.overflowed = False
+        self._rng = random.Random(self.faults.seed)
+        self._script: list[str] = []
+        self._burst_left = 0
+        self._burst_status = ""
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._overrides: dict[str, bytes] = {}  # relpath -> replaced content
+        self._httpd = _QuietServer((host, 0), _make_handler(self))
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,),
+                                        daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> RangeServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+    def script(self, *modes: str) -> None:
+        """Apply these modes to the next requests, in order (before any random fault)."""
+        unknown = [m for m in modes if m not in FAULT_MODES and m != ""]
+        assert not unknown, f"unknown fault modes {unknown}"
+        with self._lock:
+            self._script.extend(modes)
+
+    def replace_file(self, relpath: str, content: bytes) -> None:
+        with self._lock:
+            self._overrides[relpath] = content
+
+    def content(self, relpath: str) -> bytes | None:
+        with self._lock:
+            if relpath in self._overrides:
+                return self._overrides[relpath]
+        path = self.folder / relpath
+        if ".." in Path(relpath).parts or not path.is_file():
+            return None
+        return path.read_bytes()
+
+    def modes_seen(self) -> list[str]:
+        with self._lock:
+            return [r.mode for r in self.log]
+
+    # --- called by the handler -----------------------------------------------------------
+
+    def _choose_mode(self, is_range: bool) -> str | None:
+        """The fault for this request; None means the request budget is spent."""
+        with self._lock:
+            if len(self.log) >= self.max_requests:
+                self.overflowed = True
+                return None
+            if self._script:
+                return self._script.pop(0)
+            if self._burst_left:
+                self._burst_left -= 1
+                return self._burst_status
+            if not is_range:
+                return ""
+            f, draw = self.faults, self._rng.random()
+            for mode, p in (("reset", f.reset), ("5xx", f.status_5xx), ("429", f.too_many),
+                            ("short", f.short), ("ignore_range", f.ignore_range),
+                            ("wrong_range", f.wrong_range), ("slow", f.slow)):
+                if draw < p:
+                    if mode == "5xx":
+                        self._burst_status = self._rng.choice(("500", "502", "503"))
+                        self._burst_left = f.burst - 1
+                        return self._burst_status
+                    return mode
+                draw -= p
+            return ""
+
+    def _record(self, record: RequestRecord) -> None:
+        with self._lock:
+            self.log.append(record)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that gave up (timeout, retry) breaks the pipe: expected here, not news."""
+
+
+def etag_of(content: bytes) -> str:
+    return '"' + hashlib.sha256(content).hexdigest()[:32] + '"'
+
+
+def _make_handler(server: RangeServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, so pooled connections are exercised
+
+        def setup(self) -> None:
+            super().setup()
+            # headers and body leave in separate writes: without NODELAY, Nagle + delayed ACK
+            # add ~40 ms to every keep-alive request
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self._serve(head=True)
+
+        def do_GET(self) -> None:
+            self._serve(head=False)
+
+        # --- routing ---------------------------------------------------------------------
+
+        def _serve(self, head: bool) -> None:
+            path = unquote(urlsplit(self.path).path)
+            range_header = self.headers.get("Range")
+            mode = server._choose_mode(range_header is not None and not head)
+            self._entry = RequestRecord(
+                method=self.command, path=self.path, range=range_header,
+                authorization="Authorization" in self.headers, headers=dict(self.headers),
+                mode=mode or "",
+            )
+            server._record(self._entry)
+            if mode is None:
+                return self._reply(503, b"request limit reached")
+            hub = server.hub
+            if hub is not None and hub.token is not None and (
+                path.startswith(("/api/", "/datasets/", "/buckets/"))
+                and self.headers.get("Authorization") != f"Bearer {hub.token}"
+            ):
+                return self._reply(401, b"token required")
+            if mode in ("500", "502", "503", "403"):
+                return self._reply(int(mode), b"fault")
+            if mode == "429":
+                return self._reply(429, b"slow down",
+                                   extra={"Retry-After": server.faults.retry_after})
+            if hub is not None and (m := _HUB_REVISION.fullmatch(path)):
+                sha = hub.revisions.get(m[3], m[3] if re.fullmatch("[0-9a-f]{40}", m[3]) else "")
+                if not sha:
+                    return self._reply(404, b"no such revision")
+                return self._reply(200, json.dumps({"sha": sha}).encode(), head=head)
+            relpath = path.lstrip("/")
+            if hub is not None and (m := _HUB_RESOLVE.fullmatch(path)):
+                relpath = m[4]
+            elif hub is not None and (m := _BUCKET_RESOLVE.fullmatch(path)):
+                relpath = m[3]
+            content = server.content(relpath)
+            if content is None:
+                return self._reply(404, b"not found")
+            if server.redirect_to is not None or mode == "redirect":
+                target = server.redirect_to or server
+                return self._reply(302, b"", extra={
+                    "Location": f"{target.url}/{quote(relpath)}",
+                    "X-Linked-Etag": etag_of(content),
+                    "X-Linked-Size": str(len(content)),
+                })
+            self._serve_file(content, range_header, mode, head)
+
+        def _serve_file(self, content: bytes, range_header: str | None, mode: str,
+                        head: bool) -> None:
+            size, tag = len(content), etag_of(content)
+            common = {"ETag": tag, "Accept-Ranges": "bytes"}
+            if mode == "416":
+                return self._reply(416, b"", extra={"Content-Range": f"bytes */{size}"})
+            if mode == "slow":
+                server._stopping.wait(server.faults.slow_s)
+            m = _RANGE.fullmatch(range_header or "")
+            if m is None or mode == "ignore_range" or head:
+                return self._reply(200, content, extra=common, head=head, mode=mode)
+            first = int(m[1])
+            last = min(int(m[2]) if m[2] else size - 1, size - 1)
+            if first >= size:
+                return self._reply(416, b"", extra={"Content-Range": f"bytes */{size}"})
+            if mode == "wrong_range":
+                first, last = first + 1, min(last + 1, size - 1)
+            headers = dict(common, **{"Content-Range": f"bytes {first}-{last}/{size}"})
+            status = 200 if mode == "200_content_range" else 206
+            self._reply(status, content[first : last + 1], extra=headers, mode=mode)
+
+        def _reply(self, status: int, body: bytes, *, extra: dict | None = None,
+                   head: bool = False, mode: str = "") -> None:
+            self._entry.status = status
+            self.send_response(status)
+            for name, value in (extra or {}).items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if head:
+                return
+            if mode in ("reset", "short"):
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                if mode == "reset":  # SO_LINGER 0: close sends RST instead of FIN
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                else:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                self.connection.close()
+                return
+            self.wfile.write(body)
+
+    return Handler

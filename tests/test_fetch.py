@@ -1,0 +1,495 @@
+"""Byte sources against independent oracles: the file's own bytes, a fault-injecting loopback
+server (tests/rangeserver.py), a real nginx (tests/nginx.py) and a fake Hugging Face Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+from pathlib import Path
+
+import nginx as nginx_helper
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from nginx import nginx_server  # noqa: F401 - pytest fixture
+from rangeserver import Faults, HubConfig, RangeServer, etag_of
+
+from refstream.conformance import first_difference, load_cases
+from refstream.errors import (
+    BadRangeResponse,
+    HTTPStatusError,
+    MalformedDataset,
+    PayloadChanged,
+    RefstreamError,
+    RetriesExhausted,
+    ShortRead,
+    UnsafePath,
+    UsageError,
+)
+from refstream.fetch import (
+    HTTPSource,
+    LocalSource,
+    RangeFile,
+    RetryPolicy,
+    conformance_hf_url,
+    conformance_range_response,
+    open_hf_source,
+    open_source,
+    parse_retry_after,
+)
+
+FILE_BYTES = 300_000
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TOKEN = "hf_secretTOKENvalue123"
+FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_cap_s=0.05,
+                   retry_after_cap_s=0.2)
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "blob.bin").write_bytes(os.urandom(FILE_BYTES))
+    (root / "small.bin").write_bytes(os.urandom(5000))
+    return root
+
+
+@pytest.fixture
+def server(folder):
+    with RangeServer(folder) as srv:
+        yield srv
+
+
+def http(url: str, **options) -> HTTPSource:
+    options.setdefault("retry", FAST)
+    options.setdefault("read_timeout_s", 0.5)
+    return HTTPSource(url, **options)
+
+
+def blob(folder: Path) -> bytes:
+    return (folder / "data" / "blob.bin").read_bytes()
+
+
+def second_loopback_host() -> str:
+    """127.0.0.2 when it binds (Linux loopback is a /8), else 127.0.0.1 (another port)."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+        return "127.0.0.2"
+    except OSError:
+        return "127.0.0.1"
+
+
+# --- local ------------------------------------------------------------------------------------
+
+
+def test_local_ranges_equal_the_file_bytes_and_are_counted(folder):
+    source, data = LocalSource(folder), blob(folder)
+    for offset, length in [(0, 1), (0, FILE_BYTES), (12345, 6789), (FILE_BYTES - 1, 1), (7, 0)]:
+        assert source.read_range("data/blob.bin", offset, length) == data[offset:offset + length]
+    assert source.read_bytes("small.bin") == (folder / "small.bin").read_bytes()
+    assert source.size("data/blob.bin") == FILE_BYTES
+    assert source.stats()["bytes"] == 1 + FILE_BYTES + 6789 + 1 + 5000
+
+
+def test_local_errors_name_the_path_and_range(folder):
+    source = LocalSource(folder)
+    with pytest.raises(ShortRead, match=r"blob.bin bytes 299990-300009: got 10 of 20"):
+        source.read_range("data/blob.bin", FILE_BYTES - 10, 20)
+    with pytest.raises(MalformedDataset, match="data/none.bin"):
+        source.read_range("data/none.bin", 0, 1)
+    for bad in ("../secret", "/etc/passwd", "data/../../x", "", "a\\b", "c:/x"):
+        with pytest.raises(UnsafePath):
+            source.read_bytes(bad)
+
+
+def test_local_identity_detects_a_replaced_file(folder):
+    source = LocalSource(folder)
+    source.expect_identity("small.bin", source.identity("small.bin"))
+    source.read_range("small.bin", 0, 10)
+    replacement = folder / "small.new"
+    replacement.write_bytes(os.urandom(5000))
+    os.utime(replacement, ns=(1, 1))  # a different mtime even on coarse clocks
+    os.replace(replacement, folder / "small.bin")
+    with pytest.raises(PayloadChanged, match="small.bin bytes 0-9"):
+        source.read_range("small.bin", 0, 10)
+
+
+def test_open_source_chooses_by_root_kind(folder, server):
+    assert isinstance(open_source(str(folder)), LocalSource)
+    assert isinstance(open_source(f"file://{folder}"), LocalSource)
+    assert isinstance(open_source(server.url), HTTPSource)
+    with pytest.raises(UsageError):
+        open_source("s3://bucket/x")
+    with pytest.raises(UsageError, match="credentials"):
+        HTTPSource("http://user:pw@127.0.0.1:1/")
+
+
+# --- RangeFile + pyarrow -----------------------------------------------------------------------
+
+
+def test_pyarrow_reads_parquet_through_range_file(folder, server):
+    table = pa.table({"episode_index": pa.array([0] * 50 + [1] * 50, pa.int64()),
+                      "x": pa.array(range(100), pa.float32())})
+    pq.write_table(table, folder / "t.parquet", row_group_size=50)
+    for source in (LocalSource(folder), http(server.url)):
+        view = RangeFile(source, "t.parquet")
+        read = pq.ParquetFile(view).read_row_group(1)
+        assert read.equals(table.slice(50, 50))
+        assert 0 < view.bytes_read < (folder / "t.parquet").stat().st_size * 2
+        view.seek(-4, os.SEEK_END)
+        assert view.read() == b"PAR1"
+
+
+# --- HTTP: the normal path ---------------------------------------------------------------------
+
+
+def test_http_range_is_one_request_with_the_exact_range_header(folder, server):
+    source, data = http(server.url), blob(folder)
+    assert source.read_range("data/blob.bin", 1000, 2000) == data[1000:3000]
+    assert source.read_range("data/blob.bin", 0, 0) == b""  # no request for nothing
+    assert [(r.method, r.range) for r in server.log] == [("GET", "bytes=1000-2999")]
+    assert server.log[0].headers["Accept-Encoding"] == "identity"
+    assert source.size("data/blob.bin") == FILE_BYTES
+    assert source.identity("data/blob.bin") == f"etag:{etag_of(data)}"
+    assert source.stats()["bytes"] == 2000
+
+
+def test_concurrent_threads_share_nothing_but_the_counters(folder, server):
+    source, data = http(server.url), blob(folder)
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(10):
+                offset = (k * 10 + i) * 1000
+                assert source.read_range("data/blob.bin", offset, 777) == data[offset:offset + 777]
+        except Exception as exc:  # collected for the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert source.stats() == {"requests": 40, "bytes": 40 * 777, "retries": 0, "redirects": 0,
+                              "refreshes": 0}
+    assert len(server.log) == 40
+    source.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_close_releases_every_connection(folder, server):
+    # the server runs in this process too: its side of a connection closes when ours does
+    baseline = open_fds()
+    source = http(server.url)
+    threads = [threading.Thread(target=source.read_range, args=("data/blob.bin", k, 10))
+               for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    server.script("reset", "short")
+    source.read_range("data/blob.bin", 0, 10)
+    assert open_fds() > baseline
+    source.close()
+    deadline = time.monotonic() + 3
+    while open_fds() > baseline and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert open_fds() == baseline
+
+
+# --- HTTP: faults that must be survived -------------------------------------------------------
+
+
+@pytest.mark.parametrize("modes", [["reset"], ["500"], ["502", "503", "503"], ["429"],
+                                   ["short"], ["short", "reset", "503"], ["slow"]])
+def test_transient_faults_are_retried_to_success(folder, server, modes):
+    source, data = http(server.url), blob(folder)
+    server.script(*modes)
+    started = time.monotonic()
+    assert source.read_range("data/blob.bin", 5000, 100_000) == data[5000:105_000]
+    assert time.monotonic() - started < 3
+    assert [r.mode for r in server.log] == [*modes, ""]
+    assert source.stats()["retries"] == len(modes)
+
+
+def test_retry_after_is_honoured_and_capped(folder):
+    with RangeServer(folder, faults=Faults(retry_after="30")) as srv:
+        source = http(srv.url)
+        srv.script("429")
+        started = time.monotonic()
+        source.read_range("small.bin", 0, 10)
+        elapsed = time.monotonic() - started
+    assert FAST.retry_after_cap_s <= elapsed < 2  # waited the cap (0.2 s), not 30 s
+
+
+def test_parse_retry_after_seconds_and_http_date():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(format_datetime(now + timedelta(seconds=90), usegmt=True),
+                             now) == 90.0
+    assert parse_retry_after(format_datetime(now - timedelta(seconds=5), usegmt=True), now) == 0.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def test_backoff_is_full_jitter_under_the_cap():
+    policy = RetryPolicy(backoff_base_s=1.0, backoff_cap_s=3.0)
+    delays = [policy.delay_s(retry, None) for retry in (1, 2, 3, 4) for _ in range(200)]
+    assert all(0 <= d <= 3.0 for d in delays)
+    assert max(policy.delay_s(1, None) for _ in range(200)) <= 1.0
+    assert max(delays) > 2.5  # the cap is reached by later retries
+    assert policy.delay_s(1, 100.0) == policy.retry_after_cap_s
+
+
+def test_ignored_range_on_a_small_file_is_sliced(folder, server):
+    source = http(server.url)
+    server.script("ignore_range")
+    data = (folder / "small.bin").read_bytes()
+    assert source.read_range("small.bin", 100, 50) == data[100:150]
+
+
+def test_fault_mix_delivers_every_byte(folder):
+    data = blob(folder)
+    faults = Faults(reset=0.05, status_5xx=0.05, burst=2, short=0.02, too_many=0.01, seed=7)
+    with RangeServer(folder, faults=faults) as srv:
+        source = http(srv.url, retry=RetryPolicy(max_attempts=10, backoff_base_s=0.005,
+                                                  backoff_cap_s=0.02))
+        for i in range(150):
+            offset = (i * 1997) % (FILE_BYTES - 1000)
+            assert source.read_range("data/blob.bin", offset, 1000) == data[offset:offset + 1000]
+        faulty = [r for r in srv.log if r.mode]
+    assert len(faulty) >= 5  # the mix really happened
+    assert source.stats()["retries"] == len(faulty) == len(srv.log) - 150
+
+
+# --- HTTP: faults that must stop with a specific error ------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["200_content_range", "wrong_range", "416"])
+def test_inconsistent_range_answers_fail_at_once(folder, server, mode):
+    source = http(server.url)
+    server.script(mode)
+    with pytest.raises(BadRangeResponse, match=r"/data/blob.bin bytes 10-1009"):
+        source.read_range("data/blob.bin", 10, 1000)
+    assert len(server.log) == 1
+
+
+def test_ignored_range_on_a_large_file_is_refused_without_downloading(folder, server):
+    source = http(server.url, whole_body_cap_bytes=64 * 1024)
+    server.script("ignore_range")
+    with pytest.raises(BadRangeResponse, match=r"bytes 0-99: server ignored Range.*300000 bytes"):
+        source.read_range("data/blob.bin", 0, 100)
+    assert source.stats()["bytes"] == 0
+
+
+def test_persistent_failure_exhausts_retries_with_the_cause_chained(folder, server):
+    source = http(server.url)
+    server.script(*["503"] * 10)
+    started = time.monotonic()
+    with pytest.raises(RetriesExhausted, match=r"blob.bin bytes 0-9: failed 4 times") as info:
+        source.read_range("data/blob.bin", 0, 10)
+    assert time.monotonic() - started < 2
+    assert isinstance(info.value.__cause__, HTTPStatusError)
+    assert len(server.log) == FAST.max_attempts
+
+
+def test_slow_first_byte_past_the_timeout_exhausts_quickly(folder):
+    with RangeServer(folder, faults=Faults(slow=1.0, slow_s=5.0)) as srv:
+        source = http(srv.url, read_timeout_s=0.2, retry=RetryPolicy(max_attempts=2,
+                                                                       backoff_base_s=0.01))
+        started = time.monotonic()
+        with pytest.raises(RetriesExhausted, match="bytes 0-9"):
+            source.read_range("small.bin", 0, 10)
+        assert time.monotonic() - started < 2
+
+
+def test_replaced_file_raises_payload_changed(folder, server):
+    source = http(server.url)
+    relpath = "data/blob.bin"
+    source.expect_identity(relpath, source.identity(relpath))
+    assert source.read_range(relpath, 0, 10) == blob(folder)[:10]
+    server.replace_file(relpath, os.urandom(FILE_BYTES))  # same size, new ETag
+    with pytest.raises(PayloadChanged, match=r"blob.bin bytes 0-9: file changed"):
+        source.read_range(relpath, 0, 10)
+    server.replace_file(relpath, os.urandom(FILE_BYTES + 1))  # a new size is caught as well
+    with pytest.raises(PayloadChanged, match="size changed from 300000 to 300001"):
+        source.read_range(relpath, 0, 10)
+
+
+def test_range_past_the_end_and_missing_files(folder, server):
+    source = http(server.url)
+    with pytest.raises(ShortRead, match=r"bytes 4990-5009: file has only 5000 bytes"):
+        source.read_range("small.bin", 4990, 20)
+    with pytest.raises(MalformedDataset, match="nothing.bin"):
+        source.read_range("nothing.bin", 0, 1)
+    assert len(server.log) == 2  # neither was retried
+
+
+# --- nginx ------------------------------------------------------------------------------------
+
+
+def test_nginx_serves_exact_ranges_and_logs_them(folder, nginx_server):  # noqa: F811
+    nginx = nginx_server(folder)
+    source, data = http(nginx.url), blob(folder)
+    spans = [(0, 1), (4096, 65536), (FILE_BYTES - 100, 100)]
+    for offset, length in spans:
+        assert source.read_range("data/blob.bin", offset, length) == data[offset:offset + length]
+    assert source.size("data/blob.bin") == FILE_BYTES
+    source.expect_identity("data/blob.bin", source.identity("data/blob.bin"))
+    source.read_range("data/blob.bin", 0, 1)
+    gets = [r for r in nginx.access_log() if r.method == "GET"]
+    assert [(r.range, r.status, r.body_bytes) for r in gets] == [
+        (f"bytes={o}-{o + n - 1}", 206, n) for o, n in [*spans, (0, 1)]]
+    with pytest.raises(ShortRead):
+        source.read_range("data/blob.bin", FILE_BYTES - 5, 10)
+    table = pa.table({"x": pa.array(range(1000), pa.int64())})
+    pq.write_table(table, folder / "t.parquet", row_group_size=100)
+    assert pq.ParquetFile(RangeFile(source, "t.parquet")).read_row_group(7).equals(
+        table.slice(700, 100))
+    assert all(r.range is not None for r in nginx.access_log() if r.path == "/t.parquet"
+               and r.method == "GET")
+
+
+def test_nginx_helper_fails_loudly_when_nginx_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(nginx_helper, "find_nginx", lambda: None)
+    with pytest.raises(pytest.fail.Exception, match="nginx is not installed"):
+        nginx_helper.NginxServer(tmp_path)
+
+
+def test_the_test_server_is_bounded_in_requests(folder):
+    with RangeServer(folder, max_requests=3) as srv:
+        source = http(srv.url, retry=RetryPolicy(max_attempts=2, backoff_base_s=0.001))
+        for _ in range(3):
+            source.read_range("small.bin", 0, 1)
+        with pytest.raises(RetriesExhausted, match="HTTP 503"):
+            source.read_range("small.bin", 0, 1)
+        assert srv.overflowed
+
+
+# --- hf:// ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub(folder):
+    """A fake Hub on 127.0.0.1 that redirects file requests to a second loopback host."""
+    with RangeServer(folder, host=second_loopback_host()) as cdn:
+        config = HubConfig(revisions={"main": COMMIT, "v1.0": COMMIT}, token=TOKEN)
+        with RangeServer(folder, hub=config, redirect_to=cdn) as hub_server:
+            yield hub_server, cdn
+
+
+def test_hf_dataset_pins_the_commit_and_keeps_the_token_on_the_hub(folder, hub, monkeypatch):
+    hub_server, cdn = hub
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    source = open_source("hf://datasets/owner/name@v1.0", retry=FAST)
+    data = blob(folder)
+    assert source.read_range("data/blob.bin", 10, 20) == data[10:30]
+    assert source.size("data/blob.bin") == FILE_BYTES
+    assert source.identity("data/blob.bin") == f"commit:{COMMIT}"
+    api, *files = hub_server.log
+    assert api.path == "/api/datasets/owner/name/revision/v1.0" and api.authorization
+    assert all(r.authorization and f"/resolve/{COMMIT}/" in r.path for r in files)
+    assert cdn.log and not any(r.authorization for r in cdn.log)
+    assert not any(TOKEN in str(v) for r in cdn.log for v in r.headers.values())
+    assert TOKEN not in repr(source)
+    with pytest.raises(MalformedDataset) as info:
+        source.read_range("missing.bin", 0, 1)
+    assert TOKEN not in str(info.value) and TOKEN not in repr(info.value)
+
+
+def test_hf_dataset_errors_never_show_the_token(folder, hub):
+    hub_server, cdn = hub
+    with pytest.raises(MalformedDataset) as info:  # unknown revision: the API answers 404
+        open_hf_source("hf://datasets/owner/name@nope", endpoint=hub_server.url, token=TOKEN,
+                       retry=FAST)
+    assert TOKEN not in str(info.value)
+    with pytest.raises(HTTPStatusError, match="HTTP 401") as info:  # wrong token
+        open_hf_source("hf://datasets/owner/name", endpoint=hub_server.url, token="hf_wrong",
+                       retry=FAST)
+    assert "hf_wrong" not in str(info.value)
+
+
+def test_hf_redirect_targets_are_remembered_and_refreshed_when_expired(folder, hub):
+    hub_server, cdn = hub
+    source = open_hf_source(f"hf://datasets/owner/name@{COMMIT}", endpoint=hub_server.url,
+                            token=TOKEN, retry=FAST)
+    data = blob(folder)
+    for offset in (0, 1000, 2000):
+        assert source.read_range("data/blob.bin", offset, 10) == data[offset:offset + 10]
+    assert len(hub_server.log) == 1 and len(cdn.log) == 3  # resolved once
+    cdn.script("403")  # the signed URL expired
+    assert source.read_range("data/blob.bin", 5, 10) == data[5:15]
+    assert len(hub_server.log) == 2 and [r.status for r in cdn.log[3:]] == [403, 206]
+    assert source.stats()["refreshes"] == 1
+    assert not any(r.authorization for r in cdn.log)
+
+
+def test_hub_and_cdn_faults_are_retried_like_any_server(folder, hub):
+    hub_server, cdn = hub
+    hub_server.script("503", "429")
+    source = open_hf_source("hf://datasets/owner/name", endpoint=hub_server.url, token=TOKEN,
+                            retry=FAST)
+    assert [r.status for r in hub_server.log] == [503, 429, 200]
+    cdn.script("reset")
+    assert source.read_range("data/blob.bin", 100, 50) == blob(folder)[100:150]
+    assert [r.mode for r in cdn.log] == ["reset", ""]
+
+
+def test_hf_commit_revision_needs_no_api_call(folder, hub):
+    hub_server, _ = hub
+    source = open_hf_source(f"hf://datasets/owner/name@{COMMIT}/data", endpoint=hub_server.url,
+                            token=TOKEN, retry=FAST)
+    assert source.read_range("blob.bin", 0, 5) == blob(folder)[:5]
+    assert [r.path for r in hub_server.log] == [
+        f"/datasets/owner/name/resolve/{COMMIT}/data/blob.bin"]
+
+
+def test_hf_bucket_uses_the_linked_etag_as_identity(folder, hub):
+    hub_server, cdn = hub
+    source = open_hf_source("hf://buckets/owner/name/data", endpoint=hub_server.url, token=TOKEN,
+                            retry=FAST)
+    relpath = "blob.bin"
+    assert source.identity(relpath) == f"etag:{etag_of(blob(folder))}"
+    source.expect_identity(relpath, source.identity(relpath))
+    assert source.read_range(relpath, 7, 3) == blob(folder)[7:10]
+    assert hub_server.log[-1].path == "/buckets/owner/name/resolve/data/blob.bin"
+    assert not any(r.authorization for r in cdn.log)
+    hub_server.replace_file("data/blob.bin", os.urandom(FILE_BYTES))
+    with pytest.raises(PayloadChanged, match="blob.bin bytes 7-9"):
+        source.read_range(relpath, 7, 3)
+
+
+def test_hf_root_syntax_is_checked():
+    for bad in ("hf://models/a/b", "hf://datasets/a", "hf://buckets/a/b@main", "hf://datasets//b"):
+        with pytest.raises(UsageError):
+            open_hf_source(bad, endpoint="http://127.0.0.1:9")
+
+
+# --- conformance cases (hand-derived expectations in spec/fixtures/fetch) -----------------------
+
+ADAPTERS = {"range_response": conformance_range_response, "hf_url": conformance_hf_url}
+CASES = [c for kind in ADAPTERS for c in load_cases(kind=kind)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.path.stem for c in CASES])
+def test_conformance_cases(case):
+    try:
+        answer = json.loads(json.dumps(ADAPTERS[case.kind](case.input)))
+    except RefstreamError as exc:
+        answer = {"error": type(exc).__name__}
+    assert first_difference(case.expected, answer) is None, (case.expected, answer)
+
+
+def test_there_are_conformance_cases():
+    assert len(CASES) >= 25
