@@ -57,6 +57,8 @@ ADAPTERS: dict[str, str] = {
     "hf_url": "refstream.fetch:conformance_hf_url",
     "row_group_candidates": "refstream.tables:conformance_row_group_candidates",
     "budget_ops": "refstream.budget:conformance_budget_ops",
+    "frame_select": "refstream.decode:conformance_frame_select",
+    "sidecar_storage": "refstream.sidecar:conformance_sidecar_storage",
 }
 
 # A case that makes an implementation run longer than this fails instead of hanging the runner.

@@ -1,0 +1,309 @@
+"""Decode frames of an episode's mini-MP4, held in memory, at exact presentation times.
+
+The only module that imports PyAV. Two pieces:
+
+``EpisodeDecoder(mp4_bytes, label)``
+    One open PyAV container over the bytes of a synthesized episode video (or any MP4 held in
+    memory). ``frames_at(local_times_s, tolerance_s)`` returns the frames presented at the
+    requested times, which are *local* seconds: the episode video's presentation timeline, on which
+    the span's first presented frame is at 0 (``synth`` writes an edit list that puts it there, and
+    FFmpeg reports timestamps after the edit list). Requests may repeat and come in any order.
+
+``DecoderCache(capacity)``
+    A bounded LRU of open decoders keyed ``(episode, camera)``, safe to share between threads:
+    ``frames_at(key, mp4_bytes, local_times_s, tolerance_s)`` opens the key's decoder on first use
+    (``mp4_bytes`` may be a callable so the bytes are only produced when needed) and decodes under
+    that decoder's own lock; ``discard(key)`` closes one; ``close()`` closes all.
+
+Output: ``uint8`` arrays of shape ``(T, 3, H, W)`` (RGB, channels first, request order) — the
+layout LeRobot's map-style items use for cameras; ``to_float_chw`` turns them into ``float32`` in
+``[0, 1]``.
+
+Selection rule (normative: spec §9.8; ``select_frames`` is step 2 alone), ``tb`` the time base:
+
+1. Decode every frame whose pts lies in ``[floor((min(t) − tol) / tb), ceil((max(t) + tol) / tb)]``:
+   seek backward to the keyframe at or before the window start, then decode forward in
+   presentation order until a frame lies past the window end. FFmpeg seeks by decode time, so with
+   B-frames (or the leading pictures of an open GOP) the first frame decoded after the seek can
+   lie past the window start; then seek further back — one frame duration, then doubling — and
+   once the target is at or before the stream's first presentation time, decode from the first
+   sample instead.
+2. For each request ``t`` choose the decoded frame minimising ``|pts·tb − t|``, compared exactly
+   (``select_frames``; ties: the earlier pts). If that distance exceeds ``tolerance_s``, raise
+   ``FrameNotFound`` naming the label (the episode and camera) and the time — never a nearest
+   guess beyond tolerance.
+
+Each call is served by one seek (a few more only in the B-frame case above) and one forward
+decode, converting to RGB only the frames chosen; decoding is not resumed across calls.
+PyAV errors become ``DecodeError`` with the PyAV exception as cause.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from refstream.errors import DecodeError, FrameNotFound, UsageError
+
+__all__ = [
+    "EpisodeDecoder",
+    "DecoderCache",
+    "default_decoder_capacity",
+    "select_frames",
+    "to_float_chw",
+    "conformance_frame_select",
+]
+
+
+class EpisodeDecoder:
+    """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
+
+    def __init__(self, mp4_bytes: bytes, label: str = "episode video") -> None:
+        self.label = label
+        self._bytes = mp4_bytes
+        self._container = self._open()
+        stream = self._container.streams.video[0]
+        self.time_base: Fraction = stream.time_base
+        self.width: int = stream.codec_context.width
+        self.height: int = stream.codec_context.height
+
+    def _open(self):
+        try:
+            container = av.open(io.BytesIO(self._bytes), "r")
+        except av.FFmpegError as exc:
+            raise DecodeError(f"{self.label}: PyAV cannot open the video: {exc}") from exc
+        if not container.streams.video:
+            container.close()
+            raise DecodeError(f"{self.label}: the video holds no video stream")
+        return container
+
+    def close(self) -> None:
+        self._container.close()
+
+    def __enter__(self) -> EpisodeDecoder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def frames_at(
+        self, local_times_s: Sequence[float] | np.ndarray, tolerance_s: float
+    ) -> np.ndarray:
+        """uint8 ``(T, 3, H, W)`` frames presented at ``local_times_s`` (seconds, request order)."""
+        times_s = np.asarray(local_times_s, dtype=np.float64).reshape(-1)
+        if not (tolerance_s >= 0 and np.all(np.isfinite(times_s))):
+            raise UsageError(f"{self.label}: times must be finite and tolerance_s >= 0")
+        if times_s.size == 0:
+            return np.empty((0, 3, self.height, self.width), np.uint8)
+        # Exact rational arithmetic, so the window never loses a frame to rounding.
+        tolerance = Fraction(tolerance_s)
+        lo_ticks = math.floor((Fraction(float(times_s.min())) - tolerance) / self.time_base)
+        hi_ticks = math.ceil((Fraction(float(times_s.max())) + tolerance) / self.time_base)
+        decoded = self._decode_window(lo_ticks, hi_ticks)
+        pts_ticks = np.array(sorted(decoded), dtype=np.int64)
+        chosen = select_frames(pts_ticks, self.time_base, times_s, tolerance_s, self.label)
+        # Only the chosen frames are converted to RGB, each once however often it is requested.
+        try:
+            rgb = {int(p): decoded[int(pts_ticks[p])].to_ndarray(format="rgb24")
+                   for p in set(chosen)}
+        except av.FFmpegError as exc:
+            raise DecodeError(f"{self.label}: PyAV cannot convert a frame to RGB: {exc}") from exc
+        out = np.empty((times_s.size, 3, self.height, self.width), np.uint8)
+        for i, position in enumerate(chosen):
+            out[i] = rgb[int(position)].transpose(2, 0, 1)
+        return out
+
+    def _decode_window(self, lo_ticks: int, hi_ticks: int) -> dict[int, av.VideoFrame]:
+        """Decoded frames with ``lo_ticks <= pts <= hi_ticks``, keyed by pts."""
+        stream = self._container.streams.video[0]
+        first_ticks = stream.start_time  # the earliest presentation time, None if unknown
+        # The first step back is one frame: seeks go by decode time, which trails presentation
+        # by the reorder depth, a few frames at most.
+        rate = stream.average_rate
+        frame_ticks = max(1, round(1 / (rate * self.time_base))) if rate else 1
+        target_ticks, step_ticks = lo_ticks, 0
+        try:
+            while first_ticks is not None and target_ticks > first_ticks:
+                try:
+                    self._container.seek(target_ticks, stream=stream, backward=True)
+                except av.FFmpegError:
+                    break  # e.g. no keyframe before the target: decode from the start instead
+                frames, first_pts = self._decode_forward(stream, lo_ticks, hi_ticks)
+                if first_pts is None or first_pts <= lo_ticks:
+                    return frames
+                # The seek landed after the window start: step back twice as far as last time.
+                step_ticks = 2 * step_ticks + frame_ticks + (first_pts - lo_ticks)
+                target_ticks = lo_ticks - step_ticks
+            # Reopening is the one way to start at the first sample whatever the edit list says.
+            self._container.close()
+            self._container = self._open()
+            stream = self._container.streams.video[0]
+            return self._decode_forward(stream, lo_ticks, hi_ticks, stop_early=False)[0]
+        except av.FFmpegError as exc:
+            raise DecodeError(f"{self.label}: PyAV failed to decode: {exc}") from exc
+
+    def _decode_forward(self, stream, lo_ticks: int, hi_ticks: int, stop_early: bool = True):
+        frames: dict[int, av.VideoFrame] = {}
+        first_pts = None
+        for frame in self._container.decode(stream):
+            if frame.pts is None:
+                raise DecodeError(f"{self.label}: a decoded frame has no presentation time")
+            if first_pts is None:
+                first_pts = frame.pts
+                if stop_early and first_pts > lo_ticks:
+                    break  # the caller seeks further back
+            if frame.pts > hi_ticks:
+                break  # frames leave the decoder in presentation order
+            if frame.pts >= lo_ticks:
+                frames[frame.pts] = frame
+        return frames, first_pts
+
+
+def select_frames(
+    pts_ticks: np.ndarray,
+    time_base: Fraction,
+    times_s: np.ndarray,
+    tolerance_s: float,
+    label: str = "video",
+) -> np.ndarray:
+    """Position in ``pts_ticks`` (sorted, distinct, int64) of the frame serving each request.
+
+    The frame minimising ``|pts·time_base − t|``, compared exactly (rationals of the float64
+    inputs), ties to the earlier pts; ``FrameNotFound`` if that distance exceeds ``tolerance_s``.
+    """
+    tolerance = Fraction(tolerance_s)
+    # float64 seconds only narrow the search: rounding is far smaller than a frame interval.
+    pts_s = pts_ticks * (time_base.numerator / time_base.denominator)
+    chosen = np.empty(len(times_s), dtype=np.int64)
+    for i, t in enumerate(np.asarray(times_s, dtype=np.float64)):
+        at = int(np.searchsorted(pts_s, t))
+        near = range(max(0, at - 2), min(len(pts_ticks), at + 2))
+        exact_t = Fraction(float(t))
+        distances = [(abs(int(pts_ticks[j]) * time_base - exact_t), j) for j in near]
+        if not distances:
+            raise FrameNotFound(f"{label}: no frame decoded near local time {t!r} s")
+        distance, best = min(distances)  # ties: the smaller position, i.e. the earlier pts
+        if distance > tolerance:
+            raise FrameNotFound(
+                f"{label}: no frame within tolerance {tolerance_s} s of local time {t!r} s "
+                f"(nearest frame at {float(int(pts_ticks[best]) * time_base)!r} s)"
+            )
+        chosen[i] = best
+    return chosen
+
+
+def conformance_frame_select(case: dict) -> dict:
+    """Conformance kind ``frame_select``: the selection rule alone, no video.
+
+    Input ``{"pts": [ticks…], "time_base": [num, den], "times_s": [...], "tolerance_s": x}``
+    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``.
+    """
+    pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
+    time_base = Fraction(*case["time_base"])
+    chosen = select_frames(pts_ticks, time_base, np.array(case["times_s"], dtype=np.float64),
+                           case["tolerance_s"])
+    return {"pts": [int(pts_ticks[j]) for j in chosen]}
+
+
+def to_float_chw(frames_uint8: np.ndarray) -> np.ndarray:
+    """``float32`` copy of uint8 frames scaled to ``[0, 1]`` (value / 255), same shape."""
+    return frames_uint8.astype(np.float32) / np.float32(255)
+
+
+def default_decoder_capacity(pool_size: int, cameras: int) -> int:
+    """One open decoder per camera of every episode in the pool."""
+    return max(1, pool_size * cameras)
+
+
+@dataclass(eq=False)
+class _Entry:
+    # The lock lives with the entry, not the cache slot: a thread still decoding on an entry that
+    # was evicted keeps it, and the eviction's close waits for it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    decoder: EpisodeDecoder | None = None
+    closed: bool = False
+
+    def retire(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.decoder is not None:
+                self.decoder.close()
+                self.decoder = None
+
+
+class DecoderCache:
+    """Bounded LRU of ``EpisodeDecoder``s keyed ``(episode, camera)``; thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise UsageError(f"decoder cache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def keys(self) -> list:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._entries)
+
+    def frames_at(
+        self,
+        key: tuple[int, str],
+        mp4_bytes: bytes | Callable[[], bytes],
+        local_times_s: Sequence[float] | np.ndarray,
+        tolerance_s: float,
+    ) -> np.ndarray:
+        """Frames of ``key``'s video at ``local_times_s`` (see ``EpisodeDecoder.frames_at``)."""
+        episode, camera = key
+        while True:
+            entry = self._checkout(key)
+            with entry.lock:
+                if entry.closed:
+                    continue  # evicted between lookup and lock: take the fresh entry
+                if entry.decoder is None:
+                    data = mp4_bytes() if callable(mp4_bytes) else mp4_bytes
+                    entry.decoder = EpisodeDecoder(data, f"episode {episode} camera {camera}")
+                return entry.decoder.frames_at(local_times_s, tolerance_s)
+
+    def _checkout(self, key: Hashable) -> _Entry:
+        with self._lock:
+            if self._closed:
+                raise UsageError("the decoder cache is closed")
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry()
+            self._entries.move_to_end(key)
+            evicted = []
+            while len(self._entries) > self.capacity:
+                evicted.append(self._entries.popitem(last=False)[1])
+        for old in evicted:  # outside the cache lock: closing waits for a decode in progress
+            old.retire()
+        return entry
+
+    def discard(self, key: Hashable) -> None:
+        """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.retire()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            entry.retire()

@@ -1,0 +1,75 @@
+"""Helpers for the sidecar tests: a small dataset of real MP4 files, an oracle indexer, and a
+command-line builder so other processes can build (or hold the lock) concurrently.
+
+Run as ``python tests/sidecar_helpers.py build CACHE ROOT LOG DELAY_S`` to build the index of the
+dataset in ROOT with an indexer that appends one line per indexed file to LOG and sleeps DELAY_S
+first; ``python tests/sidecar_helpers.py hold LOCK`` takes the lock file and sleeps until killed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from media import encode_video, index_from_pyav, pattern_frames  # noqa: E402
+
+from refstream.fetch import LocalSource  # noqa: E402
+from refstream.sidecar import DatasetIdentity, ensure_index  # noqa: E402
+
+# Three files in two folders, like a LeRobot videos/ tree, with both codecs.
+DATASET_FILES = {
+    "videos/cam_a/chunk-000/file-000.mp4": ("libx264", 10, 2),
+    "videos/cam_a/chunk-000/file-001.mp4": ("libx264", 30, 0),
+    "videos/cam_b/chunk-000/file-000.mp4": ("libsvtav1", 10, 0),
+}
+
+
+def make_dataset(root: Path) -> list[str]:
+    """Write the real MP4 files of DATASET_FILES under ``root``; their relpaths."""
+    for count, (relpath, (codec, gop, bframes)) in enumerate(DATASET_FILES.items()):
+        path = root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        encode_video(path, pattern_frames(20 + 5 * count), codec, gop, bframes)
+    return sorted(DATASET_FILES)
+
+
+def pyav_indexer(log_path: Path | None = None, delay_s: float = 0.0):
+    """An indexer with ``parse_index``'s signature answering from PyAV's demuxer (the oracle).
+
+    It reads the whole file through ``read_range``, so the source and byte counting are used;
+    with ``log_path`` it appends one line per file indexed, and it sleeps ``delay_s`` first.
+    """
+
+    def indexer(read_range, file_size: int, path: str):
+        if log_path is not None:
+            with open(log_path, "a") as handle:
+                handle.write(f"{os.getpid()} {path}\n")
+        time.sleep(delay_s)
+        return index_from_pyav(read_range(0, file_size), path)
+
+    return indexer
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "build":
+        cache, root, log, delay = argv[1:5]
+        relpaths = sorted(DATASET_FILES)
+        location = ensure_index(
+            LocalSource(root), relpaths, DatasetIdentity(root), cache_root=cache,
+            workers=1, indexer=pyav_indexer(Path(log), float(delay)),
+        )
+        print(location.origin, location.compact_path, flush=True)
+    elif argv[0] == "hold":
+        fd = os.open(argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

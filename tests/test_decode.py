@@ -1,0 +1,288 @@
+"""refstream.decode against plain PyAV: every frame of small real files (H.264 with and without
+B-frames, open GOP, AV1), requested by presentation time from the bytes held in memory, equals the
+frame a full decode of the file yields at that pts; tolerance is enforced, never guessed past;
+the decoder LRU is bounded and serialises each decoder across threads and evictions."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
+from media import decode_all, encode_video, index_from_pyav, pattern_frames
+
+from refstream import decode
+from refstream.decode import DecoderCache, EpisodeDecoder, default_decoder_capacity, to_float_chw
+from refstream.errors import DecodeError, FrameNotFound, RefstreamError, UsageError
+from refstream.mp4 import parse_index_bytes
+from refstream.synth import select_span, synthesize
+
+VIDEOS = {  # name: (codec, gop, bframes, open_gop)
+    "h264-bframes": ("libx264", 10, 2, False),
+    "h264-open-gop": ("libx264", 8, 3, True),
+    "h264-ipp": ("libx264", 30, 0, False),
+    "av1": ("libsvtav1", 10, 0, False),
+}
+FRAMES = 30
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> dict[str, tuple[bytes, dict[int, np.ndarray]]]:
+    """name -> (whole-file bytes, {pts: RGB frame} from a plain PyAV decode of the file)."""
+    folder = tmp_path_factory.mktemp("decode")
+    made = {}
+    for name, (codec, gop, bframes, open_gop) in VIDEOS.items():
+        path = encode_video(folder / f"{name}.mp4", pattern_frames(FRAMES), codec, gop, bframes,
+                            open_gop)
+        made[name] = (Path(path).read_bytes(), decode_all(path))
+    return made
+
+
+def seconds(decoder: EpisodeDecoder, pts: int) -> float:
+    return float(pts * decoder.time_base)
+
+
+def chw(frame_hwc: np.ndarray) -> np.ndarray:
+    return frame_hwc.transpose(2, 0, 1)
+
+
+def test_the_files_have_what_the_cases_need(videos):
+    # Reordered files present frames in another order than they are decoded (B-frames).
+    for name, (data, oracle) in videos.items():
+        assert len(oracle) == FRAMES, name
+        pts = index_from_pyav(data, name).pts
+        assert bool(np.any(np.diff(pts) < 0)) == (VIDEOS[name][2] > 0), name
+
+
+@pytest.mark.parametrize("name", list(VIDEOS))
+def test_every_frame_one_request_at_a_time_backwards(videos, name):
+    data, oracle = videos[name]
+    with EpisodeDecoder(data, "episode 0 camera top") as decoder:
+        for pts in sorted(oracle, reverse=True):  # every request seeks backwards
+            frames = decoder.frames_at([seconds(decoder, pts)], tolerance_s=1e-4)
+            assert frames.shape == (1, 3, 48, 64) and frames.dtype == np.uint8
+            np.testing.assert_array_equal(frames[0], chw(oracle[pts]), err_msg=f"pts {pts}")
+
+
+@pytest.mark.parametrize("name", list(VIDEOS))
+def test_repeated_and_unordered_requests_in_one_call(videos, name):
+    data, oracle = videos[name]
+    rng = np.random.default_rng(7)
+    wanted = rng.choice(sorted(oracle), size=45)  # repeats included, shuffled
+    with EpisodeDecoder(data) as decoder:
+        frames = decoder.frames_at([seconds(decoder, p) for p in wanted], tolerance_s=1e-4)
+    expected = np.stack([chw(oracle[p]) for p in wanted])
+    np.testing.assert_array_equal(frames, expected)
+
+
+def test_a_time_within_tolerance_picks_the_nearest_frame(videos):
+    data, oracle = videos["h264-bframes"]
+    pts = sorted(oracle)
+    with EpisodeDecoder(data) as decoder:
+        step = seconds(decoder, pts[1]) - seconds(decoder, pts[0])  # one frame: 1/30 s
+        late = seconds(decoder, pts[12]) + 0.3 * step  # nearer frame 12 than 13
+        early = seconds(decoder, pts[12]) - 0.3 * step
+        frames = decoder.frames_at([late, early], tolerance_s=0.4 * step)
+    np.testing.assert_array_equal(frames[0], chw(oracle[pts[12]]))
+    np.testing.assert_array_equal(frames[1], chw(oracle[pts[12]]))
+
+
+@pytest.mark.parametrize("where", ["between frames", "after the last", "before the first"])
+def test_a_time_matching_no_frame_within_tolerance_raises(videos, where):
+    data, oracle = videos["h264-bframes"]
+    pts = sorted(oracle)
+    with EpisodeDecoder(data, "episode 7 camera wrist") as decoder:
+        step = seconds(decoder, pts[1]) - seconds(decoder, pts[0])
+        time_s = {
+            "between frames": seconds(decoder, pts[5]) + 0.5 * step,
+            "after the last": seconds(decoder, pts[-1]) + step,
+            "before the first": -step,
+        }[where]
+        with pytest.raises(FrameNotFound, match="episode 7 camera wrist") as caught:
+            decoder.frames_at([seconds(decoder, pts[3]), time_s], tolerance_s=0.25 * step)
+        assert repr(time_s) in str(caught.value)
+        # The same time with a tolerance that reaches a frame is served.
+        decoder.frames_at([time_s], tolerance_s=1.01 * step)
+
+
+def test_no_request_gives_an_empty_batch(videos):
+    with EpisodeDecoder(videos["av1"][0]) as decoder:
+        assert decoder.frames_at([], tolerance_s=1e-4).shape == (0, 3, 48, 64)
+
+
+def test_float_conversion_is_value_over_255_channels_first(videos):
+    data, oracle = videos["av1"]
+    with EpisodeDecoder(data) as decoder:
+        frames = decoder.frames_at([0.0], tolerance_s=1e-4)
+    converted = to_float_chw(frames)
+    assert converted.dtype == np.float32 and converted.shape == frames.shape
+    np.testing.assert_array_equal(converted * 255, frames.astype(np.float32))
+    assert 0.0 <= converted.min() and converted.max() <= 1.0
+
+
+def test_bytes_that_are_not_a_video_raise_decode_error(videos):
+    data = videos["h264-ipp"][0]
+    with pytest.raises(DecodeError, match="episode 1 camera top"):
+        EpisodeDecoder(b"this is not an mp4" * 10, "episode 1 camera top")
+    # PyAV writes moov last: the first half of the file has no index at all.
+    with pytest.raises(DecodeError):
+        EpisodeDecoder(data[: len(data) // 2])
+
+
+# Episode windows [from_s, to_s) of the 1 s files: GOP edges, a single frame, the last frames.
+SPANS_S = [(0.0, 0.2), (0.2, 0.5), (8 / 30, 9 / 30), (0.5, 1.0), (29 / 30, 1.0)]
+
+
+@pytest.mark.parametrize("name", list(VIDEOS))
+def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
+    # The real path: index the source, cut the span's bytes, synthesize, decode by local time.
+    data, oracle = videos[name]
+    index = parse_index_bytes(data, name)
+    for from_s, to_s in SPANS_S:
+        span = select_span(index, from_s, to_s, 1e-4)
+        payload = data[span.byte_offset : span.byte_offset + span.byte_length]
+        wanted = [p for p in sorted(oracle) if from_s - 1e-4 <= p / index.timescale < to_s - 1e-4]
+        assert wanted, (name, from_s, to_s)
+        with EpisodeDecoder(synthesize(index, span, payload), f"{name} {from_s}-{to_s}") as dec:
+            local_s = [(p - span.start_pts) / index.timescale for p in wanted]
+            frames = dec.frames_at(local_s[::-1], tolerance_s=1e-4)  # any order
+            for frame, pts in zip(frames, wanted[::-1], strict=True):
+                np.testing.assert_array_equal(frame, chw(oracle[pts]), err_msg=f"{name} {pts}")
+            for one_s, pts in zip(local_s, wanted, strict=True):  # one request at a time
+                np.testing.assert_array_equal(dec.frames_at([one_s], 1e-4)[0], chw(oracle[pts]))
+
+
+# --- the decoder cache ---------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps EpisodeDecoder.frames_at/close to record overlap per decoder and close times."""
+
+    def __init__(self, monkeypatch, slow_s: float = 0.0) -> None:
+        self.lock = threading.Lock()
+        self.active: dict[int, int] = {}
+        self.max_overlap = 0
+        self.closed: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.seen: list[EpisodeDecoder] = []  # kept alive so that ids are never reused
+        original_frames_at, original_close = EpisodeDecoder.frames_at, EpisodeDecoder.close
+        recorder = self
+
+        def frames_at(decoder, times_s, tolerance_s):
+            with recorder.lock:
+                recorder.seen.append(decoder)
+                recorder.active[id(decoder)] = recorder.active.get(id(decoder), 0) + 1
+                recorder.max_overlap = max(recorder.max_overlap, recorder.active[id(decoder)])
+            try:
+                time.sleep(slow_s)
+                return original_frames_at(decoder, times_s, tolerance_s)
+            finally:
+                with recorder.lock:
+                    recorder.active[id(decoder)] -= 1
+                    recorder.finished[id(decoder)] = time.monotonic()
+
+        def close(decoder):
+            recorder.closed[id(decoder)] = time.monotonic()
+            original_close(decoder)
+
+        monkeypatch.setattr(decode.EpisodeDecoder, "frames_at", frames_at)
+        monkeypatch.setattr(decode.EpisodeDecoder, "close", close)
+
+
+def test_default_capacity_is_pool_times_cameras():
+    assert default_decoder_capacity(8, 3) == 24
+    assert default_decoder_capacity(0, 2) == 1
+
+
+def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos):
+    data, oracle = videos["av1"]
+    opened = []
+
+    def bytes_for(key):
+        def produce():
+            opened.append(key)
+            return data
+        return produce
+
+    cache = DecoderCache(capacity=2)
+    for key in [(0, "a"), (1, "a"), (0, "a"), (2, "a")]:  # (1, "a") is least recent at the end
+        cache.frames_at(key, bytes_for(key), [0.0], 1e-4)
+        assert len(cache) <= 2
+    assert cache.keys() == [(0, "a"), (2, "a")]
+    assert opened == [(0, "a"), (1, "a"), (2, "a")]  # a hit does not reopen
+    frames = cache.frames_at((1, "a"), bytes_for((1, "a")), [0.0], 1e-4)  # reopened after eviction
+    assert opened[-1] == (1, "a")
+    np.testing.assert_array_equal(frames[0], chw(oracle[min(oracle)]))
+    cache.discard((1, "a"))
+    assert cache.keys() == [(2, "a")]
+    cache.close()
+    assert len(cache) == 0
+    with pytest.raises(UsageError):
+        cache.frames_at((0, "a"), data, [0.0], 1e-4)
+
+
+def test_threads_sharing_one_decoder_are_serialised_and_correct(videos, monkeypatch):
+    data, oracle = videos["h264-bframes"]
+    recorder = Recorder(monkeypatch, slow_s=0.002)
+    cache = DecoderCache(capacity=4)
+    pts = sorted(oracle)
+    with EpisodeDecoder(data) as probe:
+        tick_s = float(probe.time_base)
+    failures = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(8):
+            chosen = rng.choice(pts, size=3)
+            frames = cache.frames_at((3, "top"), data, [p * tick_s for p in chosen], 1e-4)
+            expected = np.stack([chw(oracle[p]) for p in chosen])
+            if not np.array_equal(frames, expected):
+                failures.append(seed)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    cache.close()
+    assert not failures
+    assert recorder.max_overlap == 1
+
+
+def test_an_evicted_decoder_in_use_is_closed_only_after_its_decode(videos, monkeypatch):
+    data, _ = videos["av1"]
+    recorder = Recorder(monkeypatch, slow_s=0.3)
+    cache = DecoderCache(capacity=1)
+    slow = threading.Thread(target=cache.frames_at, args=((0, "a"), data, [0.0], 1e-4))
+    slow.start()
+    time.sleep(0.1)  # the slow decode on (0, "a") is under way
+    cache.frames_at((1, "a"), data, [0.0], 1e-4)  # evicts (0, "a") while it is in use
+    slow.join()
+    first = min(recorder.closed, key=recorder.closed.get)  # the evicted decoder
+    assert recorder.closed[first] >= recorder.finished[first]
+    assert recorder.max_overlap == 1
+    assert cache.keys() == [(1, "a")]
+    cache.close()
+
+
+# --- conformance cases ---------------------------------------------------------------------
+
+FRAME_SELECT_CASES = sorted((FIXTURES / "decode").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", FRAME_SELECT_CASES, ids=lambda p: p.stem)
+def test_frame_select_cases_match_the_oracle_and_the_adapter(path):
+    case = json.loads(path.read_text())
+    assert case["kind"] == "frame_select"
+    assert oracle_frame_select(case["input"]) == case["expected"]
+    try:
+        answer = decode.conformance_frame_select(case["input"])
+    except RefstreamError as exc:
+        answer = {"error": type(exc).__name__}
+    assert answer == case["expected"]
+
+
+def test_there_are_frame_select_cases():
+    assert len(FRAME_SELECT_CASES) >= 10
