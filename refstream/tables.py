@@ -77,7 +77,9 @@ def read_episode_rows(
             raise TableError(f"{where}: columns {missing} are not in the file")
         extra = [c for c in (EPISODE_COLUMN, FRAME_COLUMN) if c in names and c not in wanted]
         groups = candidate_row_groups(_episode_stats(parquet), episode)
-        table = parquet.read_row_groups(groups, columns=[*wanted, *extra])
+        # Single-threaded: pyarrow's threaded reads through a Python file object can abort the
+        # interpreter at exit (apache/arrow#34314); one episode's rows are small anyway.
+        table = parquet.read_row_groups(groups, columns=[*wanted, *extra], use_threads=False)
         table = table.filter(pc.equal(table[EPISODE_COLUMN], pa.scalar(episode, pa.int64())))
         _validate(table, where, expected_rows)
     except RefstreamError:
