@@ -59,6 +59,8 @@ ADAPTERS: dict[str, str] = {
     "budget_ops": "refstream.budget:conformance_budget_ops",
     "frame_select": "refstream.decode:conformance_frame_select",
     "sidecar_storage": "refstream.sidecar:conformance_sidecar_storage",
+    "doctor_tiling": "refstream.doctor:conformance_doctor_tiling",
+    "doctor_requests": "refstream.doctor:conformance_doctor_requests",
 }
 
 # A case that makes an implementation run longer than this fails instead of hanging the runner.

@@ -1,0 +1,693 @@
+"""``refstream doctor``: is a dataset safe to train on? Checked before anyone trains.
+
+Usage (``refstream doctor ROOT|URL [--json]`` does the same from the shell)::
+
+    source = refstream.fetch.open_source(root)
+    report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
+    report.ok                                   # True when every check passed: safe to train
+    print(report.table())                       # or json.dumps(report.as_dict())
+
+``source`` is a :mod:`refstream.fetch` source (``read_bytes``, ``read_range``, ``size``,
+``identity``); the dataset is only read, never written. Each check is one :class:`Check` row of
+the :class:`Report`, in this order; the checks after the first are skipped (and count as
+failed) when the metadata cannot be loaded:
+
+1. **metadata** — :func:`refstream.meta.load_meta` succeeds: ``info.json`` is LeRobot v3.0 with
+   valid templates, ``total_episodes`` equals the rows of ``meta/episodes``, ``total_frames``
+   their summed lengths, each ``length`` equals ``dataset_to_index − dataset_from_index`` (its
+   error becomes the problem); and the dataset has at least one episode.
+2. **episode boundaries** — the episodes sorted by ``(dataset_from_index, dataset_to_index,
+   episode_index)`` tile ``[0, total_frames)``: each starts where the furthest-reaching episode
+   before it ends (0 for the first), and the last frame covered is ``total_frames − 1``. A later
+   start is a gap (the frames between belong to no episode), an earlier one an overlap (both
+   episodes named). So an empty episode must sit on a boundary, not inside another episode.
+3. **data rows** — every data Parquet file is read once, projected to ``episode_index``,
+   ``frame_index``, ``index``, ``timestamp`` (and ``task_index`` when the file has it); every
+   non-video feature of ``info.json`` must be one of its columns (a sample carries them). For every
+   episode that ``meta/episodes`` places in the file: as many rows as its ``length``;
+   ``frame_index`` exactly ``0, 1, …, length − 1`` in file order (what
+   :func:`refstream.tables.read_episode_rows` requires); ``index = dataset_from_index +
+   frame_index``; finite timestamps; ``task_index`` a row of ``meta/tasks.parquet``. Rows of an
+   episode that ``meta/episodes`` places elsewhere (or nowhere) are problems too.
+4. **videos** — every video file named by an episode exists and its ``moov`` parses
+   (:func:`refstream.mp4.parse_index` over ``read_range``). Then for every episode and camera,
+   every time a sample can request has a frame: the request times are ``videos/K/from_timestamp
+   + timestamp`` of each of the episode's rows (LeRobot's query times; ``delta_timestamps``
+   windows clamp rows inside the episode, so they add no other time). A time ``t`` is served when
+   some sample has ``|pts / timescale − t| ≤ tolerance_s`` (float64 seconds). Where an episode's
+   rows could not be read, ``frame_index / fps`` stands in for its timestamps. Streaming also
+   plans each episode's byte span before reading its rows, from the nominal times
+   ``from_timestamp + float32(frame_index / fps)`` (:func:`refstream.synth.select_span`), and
+   refuses an episode whose actual times need a sample outside that span: both are checked.
+   Episodes sharing a file must claim disjoint ``[from_timestamp, to_timestamp)`` windows
+   (overlap beyond ``tolerance_s`` is a problem): else one is silently served the other's frames.
+5. **sidecar** — the persistent MP4 index (:mod:`refstream.sidecar`) as training would find it:
+   the cache's ``index.compact`` and ``index.npz`` and the published
+   ``meta/refstream-index.npz`` (needs ``root``: an index is valid only for the root it was
+   built for). Each one present is validated with
+   :func:`refstream.sidecar.read_npz` against the files' current sizes and fingerprints. An
+   invalid (stale, foreign or corrupt) one is a note: training ignores it and indexes again. A
+   valid one is trusted by training, so its every field must equal what ``parse_index`` reads
+   from the file now; a difference fails the check. No sidecar at all is a note.
+
+A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them. Every
+problem names the file, the episode, the camera or the field involved.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from refstream import sidecar, synth
+from refstream.errors import (
+    FrameNotFound,
+    MalformedDataset,
+    RefstreamError,
+    SidecarInvalid,
+    UsageError,
+)
+from refstream.fetch import RangeFile, Source
+from refstream.meta import DatasetMeta, load_meta
+from refstream.mp4 import SampleIndex, parse_index
+
+__all__ = [
+    "Check",
+    "Report",
+    "check_dataset",
+    "Tiling",
+    "episode_tiling",
+    "unserved_requests",
+    "MAX_LISTED_PROBLEMS",
+    "CHECK_NAMES",
+    "conformance_doctor_tiling",
+    "conformance_doctor_requests",
+]
+
+MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
+CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar")
+# Data columns read by the rows check; task_index only when the file has it.
+ROW_COLUMNS = ("episode_index", "frame_index", "index", "timestamp")
+TASK_COLUMN = "task_index"
+
+Tick = Callable[[str], None]  # called once per file read, with its relpath
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the report."""
+
+    name: str
+    ok: bool
+    detail: str
+    problems: list[str] = field(default_factory=list)  # the first MAX_LISTED_PROBLEMS found
+    problem_count: int = 0  # every problem found (>= len(problems))
+    skipped: bool = False  # not run because the metadata could not be loaded (ok is False)
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else "ok" if self.ok else "FAIL"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every check of one dataset, in :data:`CHECK_NAMES` order."""
+
+    root: str
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        """True when every check passed: the dataset is safe to train on."""
+        return all(check.ok for check in self.checks)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: ``{"root", "ok", "checks": [{name, status, ok, detail, problems,
+        problem_count}]}``."""
+        return {
+            "root": self.root,
+            "ok": self.ok,
+            "checks": [
+                {"name": c.name, "status": c.status, "ok": c.ok, "detail": c.detail,
+                 "problems": list(c.problems), "problem_count": c.problem_count}
+                for c in self.checks
+            ],
+        }
+
+    def table(self) -> str:
+        """A plain-text table (check, status, detail) with each check's problems under it."""
+        name_width = max(len("check"), *(len(c.name) for c in self.checks))
+        lines = [f"{'check':<{name_width}}  status   detail"]
+        for c in self.checks:
+            lines.append(f"{c.name:<{name_width}}  {c.status:<7}  {c.detail}")
+            lines += [f"{'':<{name_width}}    - {problem}" for problem in c.problems]
+            if c.problem_count > len(c.problems):
+                lines.append(f"{'':<{name_width}}    … and {c.problem_count - len(c.problems)} "
+                             "more")
+        verdict = "safe to train" if self.ok else "NOT safe to train"
+        lines.append(f"{self.root}: {verdict}")
+        return "\n".join(lines)
+
+
+class _Problems:
+    """Collects problems: keeps the first MAX_LISTED_PROBLEMS, counts them all."""
+
+    def __init__(self) -> None:
+        self.listed: list[str] = []
+        self.count = 0
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.listed) < MAX_LISTED_PROBLEMS:
+            self.listed.append(message)
+
+    def check(self, name: str, detail: str) -> Check:
+        return Check(name, self.count == 0, detail, self.listed, self.count)
+
+
+def check_dataset(
+    source: Source,
+    *,
+    root: str | Path | None = None,
+    tolerance_s: float = 1e-4,
+    progress: bool | None = None,
+    cache_root: str | Path | None = None,
+) -> Report:
+    """Run every check of the module docstring on ``source`` and return the report.
+
+    ``root`` is the dataset root as training is given it (folder or URL): it names the report and
+    is part of the identity every sidecar is valid for (without it the sidecar is not looked at,
+    which the sidecar check notes). ``progress``:
+    a tqdm bar on stderr over the files read; ``None`` shows it when stderr is a terminal.
+    ``cache_root`` overrides ``$REFSTREAM_CACHE`` as :func:`refstream.sidecar.cache_directory`.
+    """
+    if not (isinstance(tolerance_s, int | float) and math.isfinite(tolerance_s)
+            and tolerance_s >= 0):
+        raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
+    label = str(root) if root is not None else repr(source)
+    try:
+        meta = load_meta(source)
+    except RefstreamError as exc:
+        failed = Check("metadata", False, "cannot load the metadata",
+                       [f"{type(exc).__name__}: {exc}"], 1)
+        skipped = [Check(name, False, "skipped: needs the metadata", skipped=True)
+                   for name in CHECK_NAMES[1:]]
+        return Report(label, [failed, *skipped])
+    video_relpaths = sidecar.video_relpaths(meta)
+    files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index)) + len(video_relpaths)
+    with _progress_bar(files, progress) as tick:
+        checks = [_check_metadata(meta), _check_boundaries(meta)]
+        rows_check, timestamps = _check_rows(source, meta, tick)
+        videos_check, indexes = _check_videos(source, meta, timestamps, tolerance_s, tick)
+        checks += [rows_check, videos_check]
+    checks.append(_check_sidecar(source, meta, root, cache_root, indexes))
+    return Report(label, checks)
+
+
+@contextmanager
+def _progress_bar(total: int, show: bool | None) -> Iterator[Tick]:
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show:
+        yield lambda relpath: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="file", desc="refstream doctor", file=sys.stderr) as bar:
+        def tick(relpath: str) -> None:
+            bar.set_postfix_str(relpath, refresh=False)
+            bar.update(1)
+
+        yield tick
+
+
+# --- 1. metadata and 2. boundaries -----------------------------------------------------------
+
+
+def _check_metadata(meta: DatasetMeta) -> Check:
+    problems = _Problems()
+    if meta.total_episodes == 0:
+        problems.add("meta/info.json: total_episodes is 0: nothing to train on")
+    cameras = ", ".join(meta.camera_keys) or "none"
+    return problems.check(
+        "metadata",
+        f"v3.0, {meta.total_episodes} episodes, {meta.total_frames} frames, fps {meta.fps}, "
+        f"cameras: {cameras}",
+    )
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How the episodes cover the frames; they tile ``[0, total_frames)`` iff ``gaps`` and
+    ``overlaps`` are empty and ``covered_to == total_frames``."""
+
+    # (start, end, episode before or None, episode after or None): frames [start, end) that no
+    # episode holds, in frame order; a trailing gap [covered_to, total_frames) has no after.
+    gaps: list[tuple[int, int, int | None, int | None]]
+    # (episode, earlier episode, start, end): frames [start, end) of `episode` that the earlier
+    # episode (the one reaching furthest so far) also holds; start == end for an empty episode
+    # lying inside the earlier one.
+    overlaps: list[tuple[int, int, int, int]]
+    covered_to: int  # one past the last frame any episode holds (0 without episodes)
+
+
+def episode_tiling(episode_index: np.ndarray, from_index: np.ndarray, to_index: np.ndarray,
+                   total_frames: int) -> Tiling:
+    """Walk the episodes by (start, end, id) and record where they leave gaps or overlap."""
+    gaps, overlaps = [], []
+    # By start, then end: an empty episode sorts before a non-empty one starting with it.
+    order = np.lexsort((episode_index, to_index, from_index))
+    covered_to, last = 0, None  # frames [0, covered_to) are held; `last` reaches furthest
+    for row in order.tolist():
+        episode, start, end = int(episode_index[row]), int(from_index[row]), int(to_index[row])
+        if start > covered_to:
+            gaps.append((covered_to, start, last, episode))
+        elif start < covered_to:
+            overlaps.append((episode, last, start, min(end, covered_to)))
+        if end > covered_to or last is None:
+            covered_to, last = max(end, covered_to), episode
+    if covered_to < total_frames:
+        gaps.append((covered_to, total_frames, last, None))
+    return Tiling(gaps, overlaps, covered_to)
+
+
+def _check_boundaries(meta: DatasetMeta) -> Check:
+    problems = _Problems()
+    tiling = episode_tiling(meta.episode_index, meta.from_index, meta.to_index,
+                            meta.total_frames)
+    faults = [(start, f"gap: frames [{start}, {end}) belong to no episode ("
+               + (f"after episode {before}" if before is not None else "at the start")
+               + (f", before episode {after})" if after is not None else ", at the end)"))
+              for start, end, before, after in tiling.gaps]
+    for episode, other, start, end in tiling.overlaps:
+        row, other_row = meta.row(episode), meta.row(other)
+        span = f"[{int(meta.from_index[row])}, {int(meta.to_index[row])})"
+        other_span = f"[{int(meta.from_index[other_row])}, {int(meta.to_index[other_row])})"
+        shared = f"share frames [{start}, {end})" if end > start else (
+            f"the empty one lies inside the other at frame {start}")
+        faults.append((start, f"overlap: episode {episode} {span} and episode {other} "
+                              f"{other_span}: {shared}"))
+    for _, message in sorted(faults, key=lambda fault: fault[0]):
+        problems.add(message)
+    if tiling.covered_to > meta.total_frames:
+        problems.add(f"the episodes reach frame {tiling.covered_to}, past total_frames "
+                     f"{meta.total_frames}")
+    return problems.check("episode boundaries",
+                          f"{meta.total_episodes} episodes over [0, {meta.total_frames})")
+
+
+# --- 3. data rows ----------------------------------------------------------------------------
+
+
+def _check_rows(source: Source, meta: DatasetMeta,
+                tick: Tick) -> tuple[Check, dict[int, np.ndarray]]:
+    """The rows check, and each episode's float64 timestamps in frame order where readable."""
+    problems = _Problems()
+    home = {episode: meta.data_relpath(episode) for episode in meta.episode_index.tolist()}
+    placed: dict[str, list[int]] = {}
+    for episode, relpath in home.items():
+        placed.setdefault(relpath, []).append(episode)
+    timestamps: dict[int, np.ndarray] = {}
+    rows_read = 0
+    for relpath, episodes in placed.items():
+        columns = _read_row_columns(source, relpath, meta.parquet_keys, problems)
+        tick(relpath)
+        if columns is None:
+            continue
+        rows_read += len(columns["episode_index"])
+        _check_file_rows(meta, relpath, episodes, home, columns, problems, timestamps)
+    return problems.check(
+        "data rows", f"{len(placed)} data files, {rows_read} rows read"), timestamps
+
+
+def _read_row_columns(source: Source, relpath: str, features: list[str],
+                      problems: _Problems) -> dict[str, np.ndarray] | None:
+    """The projected columns of one data file as numpy arrays, or None after adding a problem.
+
+    A feature of ``info.json`` missing from the file is a problem too: a sample carries every
+    non-video feature, so training would fail on the first row it reads from this file.
+    """
+    try:
+        parquet = pq.ParquetFile(RangeFile(source, relpath))
+        names = parquet.schema_arrow.names
+        absent_features = [key for key in features if key not in names]
+        if absent_features:
+            problems.add(f"{relpath}: feature column(s) {absent_features} of meta/info.json "
+                         "are not in the file")
+        missing = [c for c in ROW_COLUMNS if c not in names]
+        if missing:
+            problems.add(f"{relpath}: missing column(s) {missing}")
+            return None
+        wanted = [*ROW_COLUMNS, *([TASK_COLUMN] if TASK_COLUMN in names else [])]
+        # One thread: reads go through a Python file object, and Arrow's thread pool can abort
+        # or hang the interpreter at exit after such reads (apache/arrow#34314, #50482).
+        table = parquet.read(columns=wanted, use_threads=False)
+    except RefstreamError as exc:
+        problems.add(f"{relpath}: {type(exc).__name__}: {exc}")
+        return None
+    except (pa.ArrowException, OSError) as exc:
+        problems.add(f"{relpath}: not a readable Parquet file ({exc})")
+        return None
+    columns = {}
+    for name in table.column_names:
+        column = table[name]
+        if column.null_count:
+            problems.add(f"{relpath}: column {name!r} has {column.null_count} null(s)")
+            return None
+        if name == "timestamp":
+            if not pa.types.is_floating(column.type):
+                problems.add(f"{relpath}: column 'timestamp' has type {column.type}")
+                return None
+            columns[name] = column.to_numpy().astype(np.float64)
+        else:
+            if not pa.types.is_integer(column.type):
+                problems.add(f"{relpath}: column {name!r} has type {column.type}")
+                return None
+            columns[name] = column.to_numpy().astype(np.int64)
+    return columns
+
+
+def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
+                     home: dict[int, str], columns: dict[str, np.ndarray],
+                     problems: _Problems, timestamps: dict[int, np.ndarray]) -> None:
+    ids = columns["episode_index"]
+    order = np.argsort(ids, kind="stable")  # stable: each episode's rows stay in file order
+    present, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
+    rows_of = {int(e): order[s : s + n] for e, s, n in zip(present, starts, counts, strict=True)}
+    expected = set(episodes)
+    for episode in sorted(set(rows_of) - expected):
+        where = (f"which meta/episodes places in {home[episode]}" if episode in home
+                 else "which is not in meta/episodes")
+        problems.add(f"{relpath}: {len(rows_of[episode])} row(s) of episode {episode}, {where}")
+    for episode in episodes:
+        rows = rows_of.get(episode, np.zeros(0, np.int64))
+        length = meta.frames(episode)
+        where = f"{relpath}: episode {episode}"
+        if len(rows) != length:
+            what = "missing" if len(rows) < length else "extra"
+            problems.add(f"{where}: {len(rows)} rows, meta/episodes length is {length} "
+                         f"({abs(length - len(rows))} {what})")
+        frames = columns["frame_index"][rows]
+        bad = np.flatnonzero(frames != np.arange(len(rows)))
+        if len(bad):
+            k = int(bad[0])
+            problems.add(f"{where}: frame_index not contiguous 0..{len(rows) - 1} in file order: "
+                         f"row {k} of the episode has frame_index {int(frames[k])}")
+        first_index = int(meta.from_index[meta.row(episode)])
+        bad = np.flatnonzero(columns["index"][rows] != first_index + frames)
+        if len(bad):
+            k = int(bad[0])
+            problems.add(f"{where}: index {int(columns['index'][rows[k]])} at frame_index "
+                         f"{int(frames[k])}, expected dataset_from_index {first_index} + "
+                         f"frame_index = {first_index + int(frames[k])}")
+        seconds = columns["timestamp"][rows]
+        bad = np.flatnonzero(~np.isfinite(seconds))
+        if len(bad):
+            problems.add(f"{where}: timestamp {seconds[bad[0]]} at row {int(bad[0])} of the "
+                         "episode is not finite")
+        if TASK_COLUMN in columns:
+            tasks = columns[TASK_COLUMN][rows]
+            bad = np.flatnonzero((tasks < 0) | (tasks >= len(meta.tasks)))
+            if len(bad):
+                problems.add(f"{where}: task_index {int(tasks[bad[0]])} is not one of the "
+                             f"{len(meta.tasks)} tasks of meta/tasks.parquet")
+        if len(rows):
+            timestamps[episode] = seconds
+
+
+# --- 4. videos -------------------------------------------------------------------------------
+
+
+def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.ndarray],
+                  tolerance_s: float, tick: Tick) -> tuple[Check, dict[str, SampleIndex]]:
+    """The videos check, and the index of every video file that parsed."""
+    problems = _Problems()
+    users: dict[str, list[tuple[int, str]]] = {}
+    for episode in meta.episode_index.tolist():
+        for camera in meta.camera_keys:
+            users.setdefault(meta.video_relpath(episode, camera), []).append((episode, camera))
+    indexes: dict[str, SampleIndex] = {}
+    requests = 0
+    for relpath in sorted(users):
+        _check_windows_disjoint(meta, relpath, users[relpath], tolerance_s, problems)
+        try:
+            size = source.size(relpath)
+            indexes[relpath] = parse_index(
+                lambda offset, length, p=relpath: source.read_range(p, offset, length),
+                size, relpath)
+        except RefstreamError as exc:
+            episodes = sorted({episode for episode, _ in users[relpath]})
+            problems.add(f"{relpath} ({_ids(episodes)}): {type(exc).__name__}: {exc}")
+            continue
+        finally:
+            tick(relpath)
+        for episode, camera in users[relpath]:
+            seconds = timestamps.get(episode)
+            if seconds is None:
+                seconds = np.arange(meta.frames(episode), dtype=np.float64) / meta.fps
+            requests += len(seconds)
+            problem = _episode_video_problem(meta, indexes[relpath], episode, camera, seconds,
+                                             tolerance_s)
+            if problem is not None:
+                problems.add(f"episode {episode}, camera {camera}, {relpath}: {problem}")
+    return problems.check(
+        "videos", f"{len(users)} video files, {requests} request times, tolerance "
+        f"{tolerance_s} s"), indexes
+
+
+def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[int, str]],
+                            tolerance_s: float, problems: _Problems) -> None:
+    """Episodes sharing a video file must claim disjoint ``[from_timestamp, to_timestamp)``
+    windows (beyond ``tolerance_s``): else one is served the other's frames, silently."""
+    windows = sorted((float(meta.video_from_s[camera][meta.row(episode)]),
+                      float(meta.video_to_s[camera][meta.row(episode)]), episode)
+                     for episode, camera in users)
+    furthest = None  # the window reaching furthest so far, as in the episode tiling
+    for window in windows:
+        if furthest is not None and window[0] < furthest[1] - tolerance_s:
+            problems.add(
+                f"{relpath}: episodes {furthest[2]} [{furthest[0]}, {furthest[1]}) s and "
+                f"{window[2]} [{window[0]}, {window[1]}) s overlap: one would be served the "
+                "other's frames"
+            )
+        if furthest is None or window[1] > furthest[1]:
+            furthest = window
+
+
+def _episode_video_problem(meta: DatasetMeta, index: SampleIndex, episode: int, camera: str,
+                           seconds: np.ndarray, tolerance_s: float) -> str | None:
+    """What keeps one episode's frames of one camera from being served, or None.
+
+    First the rule itself: every request time has a frame within tolerance. Then the streaming
+    path's own demand (``stream.py``): it sizes and fetches the span ``synth.select_span`` gives
+    for the nominal times ``float32(frame_index / fps)``, before any row is read, and refuses
+    an episode whose actual request times need a sample outside that span.
+    """
+    row = meta.row(episode)
+    from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
+    times_s = from_s + seconds
+    unserved = unserved_requests(index.pts, index.timescale, times_s, tolerance_s)
+    if len(unserved):
+        k = int(unserved[0])
+        pts_s = np.sort(index.pts) / index.timescale
+        frames = (f"its frames span [{pts_s[0]:.6f}, {pts_s[-1]:.6f}] s" if len(pts_s)
+                  else "it has no frames")
+        return (f"{len(unserved)} of {len(times_s)} request times have no frame within "
+                f"{tolerance_s} s; first {times_s[k]:.6f} s (from_timestamp {from_s} + "
+                f"timestamp {float(seconds[k])}); {frames}")
+    nominal_s = from_s + (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
+    try:
+        planned = synth.select_span(index, from_s, to_s, tolerance_s, nominal_s)
+        needed = synth.select_span(index, from_s, to_s, tolerance_s, times_s)
+    except FrameNotFound as exc:
+        return (f"the nominal times from_timestamp + frame_index / fps that streaming plans "
+                f"with are not all served ({exc})")
+    if needed.sample_lo < planned.sample_lo or needed.sample_hi > planned.sample_hi:
+        return (f"its timestamps need samples {needed.sample_lo}..{needed.sample_hi}, outside "
+                f"samples {planned.sample_lo}..{planned.sample_hi} that streaming plans from "
+                f"frame_index / fps (timestamps disagree with frame_index / fps)")
+    return None
+
+
+def unserved_requests(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
+                      tolerance_s: float) -> np.ndarray:
+    """Positions (int64, ascending) of the request times no frame serves.
+
+    ``pts_ticks``: every sample's presentation time in ``timescale`` ticks, any order;
+    ``times_s``: float64 seconds. A time ``t`` is served when some ``pts`` has
+    ``|pts / timescale − t| ≤ tolerance_s``, all in binary64 (``pts / timescale`` correctly
+    rounded); a NaN time is never served.
+    """
+    times_s = np.asarray(times_s, np.float64)
+    pts_s = np.sort(np.asarray(pts_ticks, np.int64)) / timescale
+    if len(pts_s) == 0:
+        return np.arange(len(times_s), dtype=np.int64)
+    after = np.searchsorted(pts_s, times_s)  # the nearest frame is just below or at/above
+    below = pts_s[np.clip(after - 1, 0, len(pts_s) - 1)]
+    above = pts_s[np.clip(after, 0, len(pts_s) - 1)]
+    nearest_s = np.minimum(np.abs(below - times_s), np.abs(above - times_s))
+    return np.flatnonzero(~(nearest_s <= tolerance_s)).astype(np.int64)
+
+
+def _ids(episodes: list[int], shown: int = 10) -> str:
+    """``episode 3`` or ``episodes 0, 1, …`` (the first ``shown`` of them, then the count)."""
+    text = ", ".join(str(e) for e in episodes[:shown])
+    more = f", … ({len(episodes)} in all)" if len(episodes) > shown else ""
+    return f"episode{'s' if len(episodes) > 1 else ''} {text}{more}"
+
+
+# --- 5. sidecar ------------------------------------------------------------------------------
+
+
+def _check_sidecar(source: Source, meta: DatasetMeta, root: str | Path | None,
+                   cache_root: str | Path | None, indexes: dict[str, SampleIndex]) -> Check:
+    relpaths = sidecar.video_relpaths(meta)
+    if not relpaths:
+        return Check("sidecar", True, "no video files: nothing to index")
+    if root is None:
+        return Check("sidecar", True, "not looked at: no root given (a sidecar is only valid "
+                     "for the root it was built for)")
+    try:
+        states = sidecar.file_states(source, relpaths)
+        identity = sidecar.dataset_identity(root, source, relpaths)
+    except RefstreamError as exc:
+        return Check("sidecar", False, f"skipped: the video files' sizes and fingerprints "
+                     f"cannot be read ({type(exc).__name__}: {exc})", skipped=True)
+    problems, notes = _Problems(), []
+    for label, open_candidate in _sidecar_candidates(source, identity, cache_root):
+        try:
+            npz = open_candidate()
+            if npz is None:
+                continue
+            manifest, arrays = sidecar.read_npz(npz, identity, states, label=label)
+        except (SidecarInvalid, OSError) as exc:
+            notes.append(f"{label} is not valid for the files, so training ignores it and "
+                         f"indexes again ({exc})")
+            continue
+        _compare_sidecar(label, manifest, arrays, indexes, problems)
+        notes.append(f"{label} is valid and was compared with {len(indexes)} parsed files")
+    if not notes:
+        notes.append("no sidecar in the cache or the dataset: training indexes the videos on "
+                     "first open")
+    return problems.check("sidecar", "; ".join(notes))
+
+
+def _sidecar_candidates(
+    source: Source, identity: sidecar.DatasetIdentity, cache_root: str | Path | None,
+) -> list[tuple[str, Callable[[], io.BytesIO | None]]]:
+    """(label, opener) in the order training looks; an opener returns None when absent."""
+    directory = sidecar.cache_directory(identity, cache_root)
+    return [
+        (f"cache {directory / 'index.compact'}",
+         lambda: _compact_as_npz(directory / "index.compact")),
+        (f"cache {directory / 'index.npz'}", lambda: _file_bytes(directory / "index.npz")),
+        (sidecar.PUBLISHED_RELPATH, lambda: _published(source)),
+    ]
+
+
+def _file_bytes(path: Path) -> io.BytesIO | None:
+    try:
+        return io.BytesIO(path.read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def _published(source: Source) -> io.BytesIO | None:
+    try:
+        return io.BytesIO(source.read_bytes(sidecar.PUBLISHED_RELPATH))
+    except MalformedDataset:  # how every source reports a missing file
+        return None
+
+
+def _compact_as_npz(path: Path) -> io.BytesIO | None:
+    """The compact file's manifest and arrays as a canonical NPZ in memory, so that one
+    validator (``sidecar.read_npz``) judges both forms; digest and bounds are checked first."""
+    try:
+        compact = sidecar.map_index(path, verify=True)
+    except FileNotFoundError:
+        return None
+    try:
+        relpaths = [entry["relpath"] for entry in compact.manifest["files"]]
+        arrays = {
+            name: np.concatenate([getattr(compact[p], name) for p in relpaths])
+            if relpaths else np.zeros(0, bool if name == "keyframe" else np.int64)
+            for name in sidecar.ARRAY_FIELDS
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SidecarInvalid(f"{path}: bad manifest entry ({exc})") from exc
+    buffer = io.BytesIO()
+    manifest = np.frombuffer(json.dumps(compact.manifest).encode(), np.uint8)
+    np.savez(buffer, manifest=manifest, **arrays)
+    buffer.seek(0)
+    return buffer
+
+
+def _compare_sidecar(label: str, manifest: dict, arrays: dict[str, np.ndarray],
+                     indexes: dict[str, SampleIndex], problems: _Problems) -> None:
+    """Every field the sidecar holds for a file must equal what parse_index reads now."""
+    start = 0
+    for entry in manifest["files"]:
+        relpath, count = entry["relpath"], entry["samples"]
+        stop = start + count
+        parsed = indexes.get(relpath)
+        if parsed is not None:
+            where = f"{label}: {relpath}"
+            expected = {name: getattr(parsed, name) for name in sidecar.SCALAR_FIELDS}
+            expected.update(samples=len(parsed.pts), size=parsed.file_size,
+                            ftyp=parsed.ftyp.hex(), stsd=parsed.stsd.hex())
+            for name, value in expected.items():
+                if entry[name] != value:
+                    problems.add(f"{where}: {name} is {entry[name]!r}, the file has {value!r}")
+            if count == len(parsed.pts):
+                for name in sidecar.ARRAY_FIELDS:
+                    stored, actual = arrays[name][start:stop], getattr(parsed, name)
+                    bad = np.flatnonzero(stored != actual)
+                    if len(bad):
+                        k = int(bad[0])
+                        problems.add(f"{where}: {name}[{k}] is {stored[k]!r}, the file has "
+                                     f"{actual[k]!r} ({len(bad)} samples differ)")
+        start = stop
+
+
+# --- conformance -----------------------------------------------------------------------------
+
+
+def conformance_doctor_tiling(case: dict) -> dict:
+    """Conformance kind ``doctor_tiling``: :func:`episode_tiling`.
+
+    Input ``{"episode_index": [...], "from_index": [...], "to_index": [...], "total_frames": n}``;
+    answer ``{"gaps": [[start, end, before | null, after | null]], "overlaps": [[episode, other,
+    start, end]], "covered_to": n, "tiled": bool}``.
+    """
+    tiling = episode_tiling(*(np.asarray(case[k], np.int64)
+                              for k in ("episode_index", "from_index", "to_index")),
+                            int(case["total_frames"]))
+    return {
+        "gaps": [list(gap) for gap in tiling.gaps],
+        "overlaps": [list(overlap) for overlap in tiling.overlaps],
+        "covered_to": tiling.covered_to,
+        "tiled": not tiling.gaps and not tiling.overlaps
+        and tiling.covered_to == case["total_frames"],
+    }
+
+
+def conformance_doctor_requests(case: dict) -> dict:
+    """Conformance kind ``doctor_requests``: :func:`unserved_requests`.
+
+    Input ``{"pts": [ticks…], "timescale": n, "times_s": [...], "tolerance_s": x}``; answer
+    ``{"unserved": [positions in times_s]}``.
+    """
+    unserved = unserved_requests(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                 np.asarray(case["times_s"], np.float64),
+                                 float(case["tolerance_s"]))
+    return {"unserved": unserved.tolist()}
