@@ -59,6 +59,9 @@ ADAPTERS: dict[str, str] = {
     "budget_ops": "refstream.budget:conformance_budget_ops",
     "frame_select": "refstream.decode:conformance_frame_select",
     "sidecar_storage": "refstream.sidecar:conformance_sidecar_storage",
+    "mp4_index": "refstream.mp4:conformance_mp4_index",
+    "span": "refstream.synth:conformance_span",
+    "synth": "refstream.synth:conformance_synth",
     "doctor_tiling": "refstream.doctor:conformance_doctor_tiling",
     "doctor_requests": "refstream.doctor:conformance_doctor_requests",
 }

@@ -1,0 +1,327 @@
+"""refstream.synth: spans against brute force, mini-MP4 frames against decoding the source with
+PyAV (bit-exact), synthesized sizes against the bytes, and the co64 switch near 4 GiB."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from refstream.errors import FrameNotFound, UsageError
+from refstream.mp4 import SampleIndex, parse_index, parse_index_bytes
+from refstream.synth import (
+    Span,
+    conformance_span,
+    conformance_synth,
+    select_span,
+    synthesize,
+    synthesize_header,
+    synthesized_size,
+)
+
+MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
+REAL = ["av1_g2", "av1_g30", "h264_nob", "h264_intra", "h264_b", "h264_negcts", "h264_opengop",
+        "h264_offset", "h264_vfr", "h265_b", "h264_audio", "mpeg4", "lerobot_av1",
+        "lerobot_h264", "h264_b_co64"]
+
+
+@cache
+def source(name: str) -> tuple[bytes, SampleIndex]:
+    data = (MEDIA / f"{name}.mp4").read_bytes()
+    return data, parse_index_bytes(data, name)
+
+
+def decode(data: bytes) -> dict[int, np.ndarray]:
+    """pts → raw planes of every frame PyAV decodes from ``data`` (a whole MP4)."""
+    frames = {}
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(container.streams.video[0]):
+            assert frame.pts not in frames
+            frames[frame.pts] = frame.to_ndarray()
+    return frames
+
+
+@cache
+def source_frames(name: str) -> dict[int, np.ndarray]:
+    return decode(source(name)[0])
+
+
+def mini_for(name: str, span: Span) -> bytes:
+    data, index = source(name)
+    return synthesize(index, span, data[span.byte_offset : span.byte_offset + span.byte_length])
+
+
+def check_span_decodes(name: str, span: Span, needed_pts: np.ndarray) -> None:
+    """Every frame of the mini-MP4 is the source frame at the same time; none is missing."""
+    _, index = source(name)
+    mini = mini_for(name, span)
+    assert len(mini) == synthesized_size(index, span)
+    frames = decode(mini)
+    reference = source_frames(name)
+    for local_pts, picture in frames.items():
+        np.testing.assert_array_equal(picture, reference[local_pts + span.start_pts])
+    assert set((needed_pts - span.start_pts).tolist()) <= set(frames)
+    # the mini-MP4 holds exactly the span's samples, with their bytes, in decode order, and
+    # FFmpeg shows each at its source time minus start_pts (leading pictures of an open-GOP
+    # keyframe are marked discard)
+    with av.open(io.BytesIO(mini)) as container:
+        packets = [(p.pts, p.pos, p.size, p.is_discard)
+                   for p in container.demux(container.streams.video[0]) if p.size]
+    lo, hi = span.sample_lo, span.sample_hi
+    assert len(packets) == hi - lo + 1
+    source_bytes = source(name)[0]
+    for k, (pts, pos, size, discard) in enumerate(packets):
+        i = lo + k
+        assert size == index.size[i]
+        assert mini[pos : pos + size] == source_bytes[index.offset[i] : index.offset[i] + size]
+        assert discard == (index.pts[i] < span.start_pts)
+        if not discard:
+            assert pts == index.pts[i] - span.start_pts
+
+
+def brute_span(index: SampleIndex, times_s: list[float], tol: float) -> tuple[int, int]:
+    """The span rule written as plain loops over samples."""
+    n = len(index)
+    needed = [i for i in range(n)
+              if any(abs(index.pts[i] / index.timescale - t) <= tol for t in times_s)]
+    earliest = min(index.pts[i] for i in needed)
+    lo = max(k for k in range(min(needed) + 1)
+             if index.keyframe[k] and index.pts[k] <= earliest)
+    hi = max(needed)
+    if any(index.pts[i + 1] <= index.pts[i] for i in range(n - 1)):
+        hi = next((k - 1 for k in range(hi + 1, n) if index.keyframe[k]), n - 1)
+    return lo, hi
+
+
+@pytest.mark.parametrize("name", ["lerobot_av1", "lerobot_h264"])
+def test_every_episode_decodes_bit_exact(name):
+    _, index = source(name)
+    doc = json.loads((MEDIA / f"{name}.json").read_text())
+    fps = doc["fps"]
+    covered = []
+    for episode in doc["episodes"]:
+        times = episode["from_s"] + np.arange(episode["frames"]) / fps
+        tol = 1e-4
+        span = select_span(index, episode["from_s"], episode["to_s"], tol, times)
+        assert (span.sample_lo, span.sample_hi) == brute_span(index, list(times), tol)
+        needed = index.pts[np.abs(index.pts[:, None] / index.timescale - times).min(1) <= tol]
+        assert len(needed) == episode["frames"]
+        check_span_decodes(name, span, needed)
+        covered.append(span)
+    # each episode's span starts at its own first keyframe: no span reaches the previous episode
+    for previous, span in zip(covered, covered[1:], strict=False):
+        assert span.sample_lo > previous.sample_lo
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_single_frame_spans_at_gop_edges_and_end(name):
+    _, index = source(name)
+    n = len(index)
+    keys = np.flatnonzero(index.keyframe)
+    picks = {0, n - 1, n - 2, *keys.tolist(), *(keys[1:] - 1).tolist(), *(keys + 1).tolist()}
+    # B-frames: samples that present before an earlier-decoded sample
+    picks |= set(np.flatnonzero(np.diff(index.pts) < 0) + 1)
+    for i in sorted(p for p in picks if 0 <= p < n):
+        t = index.pts[i] / index.timescale
+        span = select_span(index, t, t, 1e-4, np.array([t]))
+        assert (span.sample_lo, span.sample_hi) == brute_span(index, [t], 1e-4)
+        check_span_decodes(name, span, index.pts[i : i + 1])
+
+
+@pytest.mark.parametrize("name", ["h264_b", "h264_opengop", "h265_b", "h264_vfr"])
+def test_interval_spans_match_brute_force(name):
+    _, index = source(name)
+    rng = np.random.default_rng(7)
+    end_s = (index.pts.max() + index.duration[-1]) / index.timescale
+    for _ in range(25):
+        a, b = sorted(rng.uniform(0, end_s, 2))
+        tol = float(rng.choice([1e-4, 0.01, 0.02]))
+        pts_s = index.pts / index.timescale
+        if not np.any((pts_s >= a - tol) & (pts_s < b + tol)):
+            continue
+        span = select_span(index, a, b, tol)
+        # times the interval can request: dense grid plus the frame times inside it
+        inside = [float(t) for t in pts_s if a - tol <= t < b + tol]
+        assert (span.sample_lo, span.sample_hi) == brute_span(index, inside, 0.0)
+        check_span_decodes(name, span, index.pts[(pts_s >= a - tol) & (pts_s < b + tol)])
+
+
+def test_span_byte_range_covers_exactly_the_span():
+    _, index = source("h264_audio")
+    span = select_span(index, 0.4, 0.8, 1e-4)
+    sl = slice(span.sample_lo, span.sample_hi + 1)
+    assert span.byte_offset == index.offset[sl].min()
+    assert span.byte_offset + span.byte_length == (index.offset[sl] + index.size[sl]).max()
+    assert index.keyframe[span.sample_lo]
+
+
+def test_request_time_without_frame_is_an_error():
+    _, index = source("h264_nob")
+    with pytest.raises(FrameNotFound, match="1.0005"):
+        select_span(index, 0.0, 2.0, 1e-4, np.array([0.0, 1.0005]))
+
+
+def test_size_equals_length_over_many_spans():
+    for name in ["h264_b", "h264_opengop", "av1_g30", "h264_audio"]:
+        data, index = source(name)
+        n = len(index)
+        keys = np.flatnonzero(index.keyframe)
+        for lo in keys:
+            for hi in range(lo, n, 3):
+                sl = slice(lo, hi + 1)
+                begin = int(index.offset[sl].min())
+                end = int((index.offset[sl] + index.size[sl]).max())
+                span = Span(int(lo), hi, begin, end - begin, int(index.pts[lo]))
+                assert len(synthesize(index, span, data[begin:end])) == synthesized_size(index,
+                                                                                         span)
+
+
+def fake_index(offsets: np.ndarray, sizes: np.ndarray) -> SampleIndex:
+    """A constructed index (three B-frame GOPs' worth of timing) at arbitrary byte offsets."""
+    _, real = source("h264_b")
+    n = len(offsets)
+    return SampleIndex(
+        path="fake", file_size=int((offsets + sizes).max()), ftyp=real.ftyp, stsd=real.stsd,
+        codec=real.codec, width=real.width, height=real.height, track_id=1,
+        timescale=real.timescale, movie_timescale=1000, dts=real.dts[:n], pts=real.pts[:n],
+        duration=real.duration[:n], size=sizes, offset=offsets, keyframe=real.keyframe[:n])
+
+
+def read_header_as_file(header: bytes, total: int):
+    """A read_range over a virtual file: the real header, then zero payload that only the first
+    (fixed-size) probe may touch."""
+    def read(offset: int, length: int) -> bytes:
+        assert offset == 0 or offset + length <= len(header), "the parser read payload bytes"
+        assert offset + length <= total
+        return (header[offset : offset + length]).ljust(length, b"\0")
+    return read
+
+
+@pytest.mark.parametrize("base", [0, 2**32 - 5000, 2**32 + 10**6, 2**40])
+def test_header_offsets_with_huge_source_offsets(base):
+    """Source offsets near/after 4 GiB rebase to small mini-MP4 offsets: stco stays exact."""
+    sizes = np.full(24, 100, dtype=np.int64)
+    offsets = base + np.arange(24, dtype=np.int64) * 100
+    index = fake_index(offsets, sizes)
+    span = Span(0, 23, base, 2400, int(index.pts[0]))
+    header = synthesize_header(index, span)
+    total = synthesized_size(index, span)
+    assert total == len(header) + 2400
+    inner = parse_index(read_header_as_file(header, total), total, "mini")
+    np.testing.assert_array_equal(inner.offset, len(header) + offsets - base)
+    assert b"stco" in header and b"co64" not in header
+
+
+@pytest.mark.parametrize("payload_end", [2**32 - 1 - 40, 2**32 + 7, 5 * 2**32])
+def test_co64_switch_near_4_gib(payload_end):
+    """A payload near 4 GiB: the last sample offset decides stco vs co64, exactly."""
+    sizes = np.full(24, 10, dtype=np.int64)
+    offsets = np.arange(24, dtype=np.int64) * 10
+    offsets[-1] = payload_end - 10  # the last sample sits at the end of a huge range
+    index = fake_index(offsets, sizes)
+    span = Span(0, 23, 0, payload_end, int(index.pts[0]))
+    header = synthesize_header(index, span)
+    total = synthesized_size(index, span)
+    assert total == len(header) + payload_end
+    inner = parse_index(read_header_as_file(header, total), total, "mini")
+    np.testing.assert_array_equal(inner.offset, len(header) + offsets)
+    wide = len(header) + offsets[-1] > 2**32 - 1
+    assert (b"co64" in header) == wide and (b"stco" in header) != wide
+    if payload_end + 8 > 2**32 - 1:  # a 64-bit mdat size: size field 1, then the real size
+        assert header[-16:-8] == b"\0\0\0\1mdat" and int.from_bytes(header[-8:]) == total - (
+            len(header) - 16)
+    else:
+        assert header[-4:] == b"mdat"
+
+
+def test_co64_boundary_is_exact():
+    """Search the payload length where the header's own growth tips stco over to co64."""
+    sizes = np.full(24, 10, dtype=np.int64)
+
+    def layout(last_offset: int) -> tuple[int, bool]:
+        offsets = np.arange(24, dtype=np.int64) * 10
+        offsets[-1] = last_offset
+        index = fake_index(offsets, sizes)
+        span = Span(0, 23, 0, last_offset + 10, int(index.pts[0]))
+        header = synthesize_header(index, span)
+        assert synthesized_size(index, span) == len(header) + last_offset + 10
+        return len(header), b"co64" in header
+
+    stco_header, _ = layout(1000)
+    edge = 2**32 - 1 - stco_header  # largest last offset that still fits 32 bits with stco
+    assert layout(edge) == (stco_header, False)
+    co64_header, wide = layout(edge + 1)
+    assert wide and co64_header == stco_header + 4 * 24
+    # offsets just below the edge plus the co64 growth: still co64 only if they overflow
+    assert layout(edge - 4 * 24)[1] is False
+
+
+SPAN_CASES = sorted((MEDIA.parent / "span").glob("*.json"))
+SYNTH_CASES = sorted((MEDIA.parent / "synth").glob("*.json"))
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=[c.stem for c in SPAN_CASES])
+def test_conformance_span(case):
+    doc = json.loads(case.read_text())
+    assert doc["kind"] == "span" and conformance_span(doc["input"]) == doc["expected"]
+
+
+@pytest.mark.parametrize("case", SYNTH_CASES, ids=[c.stem for c in SYNTH_CASES])
+def test_conformance_synth(case):
+    doc = json.loads(case.read_text())
+    assert doc["kind"] == "synth" and conformance_synth(doc["input"]) == doc["expected"]
+
+
+def test_interval_without_frames_is_an_error():
+    _, index = source("h264_nob")
+    with pytest.raises(FrameNotFound):
+        select_span(index, 50.0, 60.0, 1e-4)
+    with pytest.raises(FrameNotFound):
+        select_span(index, 0.0, 1.0, 1e-4, np.array([]))
+
+
+@pytest.mark.parametrize("name", ["h264_opengop", "h265_b", "h264_negcts", "lerobot_h264"])
+def test_ffprobe_reads_the_mini_mp4_on_the_local_timeline(name, tmp_path):
+    """A second FFmpeg (Debian's ffprobe) agrees: every sample is there, leading pictures of an
+    open-GOP start are marked discard, the others present at source pts - start_pts."""
+    _, index = source(name)
+    for i in np.flatnonzero(index.keyframe):
+        t = index.pts[i] / index.timescale
+        span = select_span(index, t, t + 0.2, 1e-4)
+        path = tmp_path / "mini.mp4"
+        path.write_bytes(mini_for(name, span))
+        out = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "packet=pts,flags",
+                              "-of", "json", str(path)], check=True, capture_output=True,
+                             text=True).stdout
+        packets = json.loads(out)["packets"]
+        assert len(packets) == span.sample_hi - span.sample_lo + 1
+        for k, packet in enumerate(packets):
+            source_pts = index.pts[span.sample_lo + k]
+            assert ("D" in packet["flags"]) == (source_pts < span.start_pts)
+            if "D" not in packet["flags"]:
+                assert int(packet["pts"]) == source_pts - span.start_pts
+
+
+def test_inconsistent_spans_are_usage_errors():
+    data, index = source("h264_b")
+    good = select_span(index, 0.5, 0.6, 1e-4)
+    payload = data[good.byte_offset : good.byte_offset + good.byte_length]
+    bad_spans = [
+        Span(good.sample_lo + 1, good.sample_hi, good.byte_offset, good.byte_length,
+             int(index.pts[good.sample_lo + 1])),  # does not start at a keyframe
+        Span(good.sample_lo, good.sample_hi, good.byte_offset + 1, good.byte_length,
+             good.start_pts),  # bytes do not hold the first sample
+        Span(good.sample_lo, good.sample_hi, good.byte_offset, good.byte_length,
+             good.start_pts + 1),  # start_pts is not pts[lo]
+    ]
+    for span in bad_spans:
+        with pytest.raises(UsageError):
+            synthesize(index, span, payload)
+    with pytest.raises(UsageError):
+        synthesize(index, good, payload[:-1])
