@@ -59,5 +59,318 @@ def run_conformance(args) -> int:
 COMMANDS.append(add_conformance)
 
 
+def add_demo(subparsers) -> None:
+    p = subparsers.add_parser(
+        "demo", help="generate a small AV1 dataset, serve it on loopback HTTP, stream, verify")
+    p.add_argument("--workdir", help="keep the dataset here (default: a temporary folder)")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args) -> int:
+    from refstream.demo import run_demo as demo
+
+    print("refstream demo: writing the dataset, serving it on 127.0.0.1, streaming one epoch")
+    report = demo(args.workdir, num_workers=args.num_workers, batch_size=args.batch_size,
+                  progress=not args.no_progress)
+    for line in report.lines():
+        print(line)
+    return 0 if not report.problems else 1
+
+
+COMMANDS.append(add_demo)
+
+
+def add_stream(subparsers) -> None:
+    p = subparsers.add_parser("stream", help="stream a dataset (folder, URL, hf://) and measure")
+    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
+    p.add_argument("--episodes", help="comma-separated episode ids (default: all)")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-samples", type=int, help="stop after this many samples")
+    p.add_argument("--delta-timestamps", help='JSON, e.g. \'{"action": [0, 0.0333]}\'')
+    p.add_argument("--seed", type=int)
+    p.add_argument("--byte-budget-gb", type=float, default=8.0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_stream)
+
+
+def run_stream(args) -> int:
+    import json
+
+    from refstream.demo import consume
+    from refstream.errors import UsageError
+    from refstream.stream import StreamingDataset
+
+    try:
+        episodes = ([int(e) for e in args.episodes.split(",") if e.strip()]
+                    if args.episodes else None)
+        windows = json.loads(args.delta_timestamps) if args.delta_timestamps else None
+    except ValueError as exc:
+        raise UsageError(f"--episodes or --delta-timestamps: {exc}") from exc
+    dataset = StreamingDataset(args.root, episodes=episodes, delta_timestamps=windows,
+                               seed=args.seed, byte_budget_gb=args.byte_budget_gb,
+                               batch_size=args.batch_size)
+    m = consume(dataset, num_workers=args.num_workers, batch_size=args.batch_size,
+                epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
+    summary = {
+        "root": args.root,
+        "episodes": len(dataset.episodes),
+        "frames": sum(dataset.frames),
+        "samples": m.samples,
+        "batches": m.batches,
+        "seconds": round(m.seconds, 3),
+        "samples_per_s": round(m.samples_per_s, 1),
+        "first_sample_s": round(m.first_sample_s, 3),
+        "fetch_requests": m.fetch_requests,
+        "fetch_bytes": m.fetch_bytes,
+        "peak_reserved_bytes_per_worker": m.peak_reserved_bytes,
+        "budget_bytes_per_worker": m.budget_bytes,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+COMMANDS.append(add_stream)
+
+
+def add_plan(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="print a dataset's shard balance and anchor order")
+    p.add_argument("root", help="dataset root folder")
+    p.add_argument("--episodes", help="comma-separated episode ids (default: all)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--seed", type=int, help="default 42")
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--strategy", default="pool", choices=["pool", "round_robin"])
+    p.add_argument("--pool-size", type=int, help="per worker (default: 32 per rank, split)")
+    p.add_argument("--limit", type=int, default=20, help="anchors per worker, 0 for all")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args) -> int:
+    import json
+
+    from refstream.errors import UsageError
+    from refstream.meta import LocalSource, load_meta, select_episodes
+    from refstream.planner import plan_summary
+
+    try:
+        chosen = [int(e) for e in args.episodes.split(",") if e.strip()] if args.episodes else None
+    except ValueError as exc:
+        raise UsageError(f"--episodes: {exc}") from exc
+    if args.limit < 0:
+        raise UsageError(f"--limit must be 0 (all) or positive, got {args.limit}")
+    meta = load_meta(LocalSource(args.root))
+    ids = select_episodes(meta, chosen)
+    summary = plan_summary(
+        ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
+        num_workers=args.num_workers, seed=args.seed, epoch=args.epoch, strategy=args.strategy,
+        pool_size=args.pool_size, limit=args.limit)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    s = summary
+    print(f"{args.root}: {s['episodes']} episodes, {s['frames']} frames; world size "
+          f"{s['world_size']}, rank {s['rank']}, {s['num_workers']} worker(s), seed {s['seed']}, "
+          f"epoch {s['epoch']}, {s['strategy']}, pool {s['pool_size']} per worker")
+    spread = max(s["rank_frames"]) - min(s["rank_frames"])
+    print(f"frames per rank: {s['rank_frames']} (spread {spread}, longest episode "
+          f"{s['longest_episode']})")
+    print(f"frames per worker of rank {s['rank']}: {s['worker_frames']}")
+    for w in s["workers"]:
+        shown = " ".join(f"{e}:{f}" for e, f in w["anchors"])
+        print(f"worker {w['worker']} ({len(w['episodes'])} episodes, {w['frames']} frames), "
+              f"first {len(w['anchors'])} anchors (episode:frame): {shown}")
+    return 0
+
+
+COMMANDS.append(add_plan)
+
+
+def add_index(subparsers) -> None:
+    p = subparsers.add_parser("index", help="build or refresh the MP4 index sidecar of a dataset")
+    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
+    p.add_argument("--output", help="also write the index here, e.g. ROOT/meta/refstream-index.npz")
+    p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(run=run_index)
+
+
+def run_index(args) -> int:
+    import json
+
+    from refstream import sidecar
+    from refstream.fetch import open_source
+    from refstream.meta import load_meta
+
+    source = open_source(args.root)
+    relpaths = sidecar.video_relpaths(load_meta(source))
+    location = sidecar.ensure_index(source, relpaths, sidecar.dataset_identity(
+        args.root, source, relpaths), workers=args.workers)
+    index = sidecar.map_index(location.compact_path)
+    built = location.summary
+    summary = {
+        "root": args.root,
+        "origin": location.origin,
+        "files": len(index),
+        "samples": sum(f["samples"] for f in index.manifest["files"]),
+        "video_bytes": sum(f["size"] for f in index.manifest["files"]),
+        "bytes_read_to_index": built.bytes_read if built else 0,
+        "seconds": round(built.seconds, 3) if built else 0.0,
+        "compact_index": str(location.compact_path),
+        "compact_bytes": location.compact_path.stat().st_size,
+    }
+    if args.output:
+        summary["output"] = str(sidecar.export_npz(location, args.output))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+COMMANDS.append(add_index)
+
+
+def add_inspect(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="show an MP4's boxes, video track, edit list, GOPs and sample table")
+    p.add_argument("file", help="a local MP4 file")
+    p.add_argument("--json", action="store_true",
+                   help="print everything as JSON, with the whole sample table in decode order")
+    p.add_argument("--head", type=int, default=10, help="sample table rows shown (default 10)")
+    p.set_defaults(run=run_inspect)
+
+
+def run_inspect(args) -> int:
+    import json
+    import os
+
+    from refstream.errors import UsageError
+    from refstream.mp4 import describe
+
+    try:
+        with open(args.file, "rb") as f:
+            def read_range(offset: int, length: int) -> bytes:
+                f.seek(offset)
+                return f.read(length)
+
+            report = describe(read_range, os.fstat(f.fileno()).st_size, args.file)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.file}: {exc}") from exc
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['path']}: {report['file_size']} bytes")
+    for box in report["boxes"]:
+        print(f"{'  ' * box['depth']}{box['type']}  offset {box['offset']}  size {box['size']}")
+    t = report["track"]
+    print(f"video track {t['track_id']}: {t['codec']} {t['width']}x{t['height']}, timescale "
+          f"{t['timescale']} (movie {t['movie_timescale']}), {t['samples']} samples, "
+          f"{t['payload_bytes']} payload bytes")
+    e = report["edit_list"]
+    print("edit list: none" if e is None else
+          f"edit list: empty {e['empty_duration']} movie ticks, media edit from media time "
+          f"{e['media_time']} for {e['media_duration']} movie ticks")
+    gops = report["gops"]
+    sizes = sorted({g["samples"] for g in gops})
+    print(f"GOPs: {len(gops)}, samples per GOP {sizes}; open GOPs (a sample presents before its "
+          f"keyframe): {sum(g['first_pts'] < g['keyframe_pts'] for g in gops)}")
+    s = report["samples"]
+    print(f"{'#':>6} {'pts':>10} {'dts':>10} {'dur':>6} {'size':>8} {'offset':>10} key")
+    for i in range(min(args.head, len(s["pts"]))):
+        print(f"{i:>6} {s['pts'][i]:>10} {s['dts'][i]:>10} {s['duration'][i]:>6} "
+              f"{s['size'][i]:>8} {s['offset'][i]:>10} {'K' if s['keyframe'][i] else ''}")
+    return 0
+
+
+COMMANDS.append(add_inspect)
+
+
+def add_doctor(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="check a dataset before training on it (exit 0: safe to train, 1: not)")
+    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
+    p.add_argument("--tolerance-s", type=float, default=1e-4,
+                   help="how far a video frame may be from a requested time (default 1e-4)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_doctor)
+
+
+def run_doctor(args) -> int:
+    import json
+
+    from refstream.doctor import check_dataset
+    from refstream.fetch import open_source
+
+    source = open_source(args.root)
+    try:
+        report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
+                               progress=False if args.no_progress else None)
+    finally:
+        source.close()
+    print(json.dumps(report.as_dict()) if args.json else report.table())
+    return 0 if report.ok else 1
+
+
+COMMANDS.append(add_doctor)
+
+
+def add_bench(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure refstream against map-style, download-then-read, decode ceiling")
+    p.add_argument("--root", help="measure this dataset folder instead of generating one")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration (seconds)")
+    for name, kind in (("episodes", int), ("frames-per-episode", int), ("cameras", int),
+                       ("gop", int), ("bframes", int), ("pool-size", int), ("budget-gb", float),
+                       ("num-workers", int), ("batch-size", int), ("repeats", int)):
+        p.add_argument(f"--{name}", type=kind, help="default: the issue's target setup")
+    p.add_argument("--resolution", help="WxH of every camera, e.g. 320x240")
+    p.add_argument("--codec", choices=["av1", "h264"])
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> int:
+    import json
+
+    from refstream.bench import BenchConfig, plot
+    from refstream.bench import run_bench as bench
+    from refstream.errors import UsageError
+
+    overrides = {name: getattr(args, name) for name in (
+        "root", "episodes", "frames_per_episode", "cameras", "gop", "bframes", "pool_size",
+        "budget_gb", "num_workers", "batch_size", "repeats", "codec")
+        if getattr(args, name) is not None}
+    if args.resolution:
+        width, _, height = args.resolution.lower().partition("x")
+        if not (width.isdigit() and height.isdigit()):
+            raise UsageError(f"--resolution: expected WxH such as 320x240, got {args.resolution}")
+        overrides.update(width=int(width), height=int(height))
+    config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    report = bench(config, progress=lambda message: print(f"bench: {message}", file=sys.stderr))
+    print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
+    if args.plot and not plot(report, args.plot):
+        print("bench: matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+COMMANDS.append(add_bench)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from refstream.demo import keep_scheduling
 from refstream.mp4 import SampleIndex
 
 # SVT-AV1 prints its configuration on every open unless told to log errors only.
@@ -51,6 +52,11 @@ def encode_video(
     intra frame it would insert at a cut is flagged a keyframe by FFmpeg's H.264 parser but is
     not in ``stss``, and the tests here compare with both.
     """
+    with keep_scheduling():
+        return _encode(path, frames, codec, gop, bframes, open_gop)
+
+
+def _encode(path, frames, codec, gop, bframes, open_gop) -> Path:
     container = av.open(str(path), "w")
     stream = container.add_stream(codec, rate=FPS)
     stream.height, stream.width = frames.shape[1:3]

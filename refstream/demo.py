@@ -1,0 +1,879 @@
+"""A small, real LeRobot v3 dataset and a loopback HTTP server to stream it from.
+
+This module exists for ``refstream demo`` and for tests; it is not part of the streaming path.
+
+``write_demo_dataset(root, ...)`` writes the layout LeRobot's recorder writes (``meta/info.json``,
+``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` with its
+``stats/*`` columns, ``data/chunk-CCC/file-FFF.parquet`` with one row group per episode, and
+``videos/<camera>/chunk-CCC/file-FFF.mp4``). Like LeRobot, each episode is encoded as its own video
+with PyAV and the episodes of a file are then concatenated packet by packet, so episode ``k`` of a
+file occupies source time ``[from_timestamp, to_timestamp)`` where ``from_timestamp`` is the
+previous episode's ``to_timestamp`` (0.0 in a new file) and ``to_timestamp = from_timestamp +
+length / fps``.
+
+Every frame carries its label: the picture is a grid of 4 × 3 flat grey blocks; the top row holds
+the episode id and the middle row the frame index, each as four base-8 digits (most significant
+first), digit ``d`` drawn at grey level ``24 + 28·d``; odd frames are drawn inverted
+(``255 − level``) and the bottom row is a parity marker (dark for even frames, bright for odd), so
+every block changes from one frame to the next. Flat blocks survive lossy coding;
+``read_frame_label(frame)`` reads the centre of each block back and refuses a frame whose blocks
+are more than ``LABEL_TOLERANCE`` grey levels from a digit or whose marker disagrees. Rows follow
+the LeRobot oracle's convention: ``observation.state[0] = episode``, ``observation.state[1] =
+frame``, ``action = episode + frame / 1000`` (float32), task ``TASKS[episode % 2]``.
+
+``consume(dataset, ...)`` runs a DataLoader over a :class:`~refstream.stream.StreamingDataset`
+with a progress bar and measures it (``refstream stream``); ``run_demo()`` is ``refstream demo``:
+write a dataset, serve it, stream one epoch with two workers, verify every sample against its
+label and report what was measured.
+
+``serve_directory(root)`` is a context manager serving a folder on ``127.0.0.1`` (ephemeral port)
+with HTTP/1.1 keep-alive, ``HEAD``/``GET``, one ``Range`` per request (206 + ``Content-Range``;
+416 when unsatisfiable), a strong ``ETag`` from size and mtime, and counters of requests and body
+bytes. It yields a :class:`LoopbackServer` whose ``url`` is the dataset's base URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = [
+    "TASKS",
+    "LABEL_TOLERANCE",
+    "write_demo_dataset",
+    "frame_picture",
+    "read_frame_label",
+    "LoopbackServer",
+    "serve_directory",
+    "StreamMeasurement",
+    "consume",
+    "DemoReport",
+    "run_demo",
+]
+
+TASKS = ("pick the cube", "place the cube")
+CHUNKS_SIZE = 1000  # LeRobot's DEFAULT_CHUNK_SIZE: files per chunk directory
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+STATE_NAMES = ["j0", "j1", "j2", "j3", "j4", "j5"]
+QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}  # LeRobot's stats
+
+# Frame label geometry: 4 columns × 3 rows of blocks, four base-8 digits per row, then a marker row.
+LABEL_COLUMNS = 4
+LABEL_ROWS = 3
+LABEL_BASE = 8
+LABEL_LEVEL0 = 24  # grey level of digit 0; digit d is LABEL_LEVEL0 + LABEL_STEP * d (max 220)
+LABEL_STEP = 28
+LABEL_TOLERANCE = 10  # grey levels a block centre may drift under lossy coding and still read back
+LABEL_MAX = LABEL_BASE**LABEL_COLUMNS  # episodes and frames must stay below this
+# Odd frames are drawn inverted (255 - level) with a bright marker row, so consecutive frames differ
+# in every block: fast encoder presets otherwise skip a block whose grey level moved one step.
+MARKER_EVEN = 16
+MARKER_ODD = 240
+
+# Encoder settings per codec: LeRobot's defaults for SVT-AV1; H.264 gets B-frames for tests.
+ENCODER_NAMES = {"libsvtav1": "av1", "libx264": "h264"}
+ENCODER_CRF = {"libsvtav1": 30, "libx264": 23}
+SVT_PRESET = 12
+
+
+# --- frame labels ---------------------------------------------------------------------------
+
+
+def _digits(value: int) -> list[int]:
+    if not 0 <= value < LABEL_MAX:
+        raise ValueError(f"label value {value} outside [0, {LABEL_MAX})")
+    return [(value // LABEL_BASE**p) % LABEL_BASE for p in reversed(range(LABEL_COLUMNS))]
+
+
+def _block_bounds(width: int, height: int, row: int, column: int) -> tuple[int, int, int, int]:
+    block_w, block_h = width // LABEL_COLUMNS, height // LABEL_ROWS
+    return row * block_h, (row + 1) * block_h, column * block_w, (column + 1) * block_w
+
+
+def frame_picture(episode: int, frame: int, width: int, height: int) -> np.ndarray:
+    """The uint8 RGB picture ``(height, width, 3)`` that labels ``(episode, frame)``."""
+    picture = np.zeros((height, width, 3), dtype=np.uint8)
+    odd = frame % 2 == 1
+    for row, value in enumerate((episode, frame)):
+        for column, digit in enumerate(_digits(value)):
+            y0, y1, x0, x1 = _block_bounds(width, height, row, column)
+            level = LABEL_LEVEL0 + LABEL_STEP * digit
+            picture[y0:y1, x0:x1, :] = 255 - level if odd else level
+    y0, y1, _, _ = _block_bounds(width, height, LABEL_ROWS - 1, 0)
+    picture[y0:y1, : (width // LABEL_COLUMNS) * LABEL_COLUMNS, :] = (
+        MARKER_ODD if odd else MARKER_EVEN)
+    return picture
+
+
+def _centre_level(picture: np.ndarray, row: int, column: int) -> float:
+    y0, y1, x0, x1 = _block_bounds(picture.shape[1], picture.shape[0], row, column)
+    # The centre half of the block: edges ring under lossy coding, centres stay flat.
+    dy, dx = (y1 - y0) // 4, (x1 - x0) // 4
+    return float(picture[y0 + dy : y1 - dy, x0 + dx : x1 - dx].astype(np.float64).mean())
+
+
+def read_frame_label(frame: np.ndarray) -> tuple[int, int]:
+    """``(episode, frame)`` drawn in a decoded picture.
+
+    ``frame`` is uint8 ``(C, H, W)`` (the layout samples use) or ``(H, W, C)``; a leading axis of
+    1 or 3 that is not also the last axis's size is taken as channels-first. Raises ``ValueError``
+    when a block centre is not within ``LABEL_TOLERANCE`` of a digit's grey level, or the parity
+    marker disagrees with the frame number read.
+    """
+    picture = np.asarray(frame)
+    if picture.ndim != 3:
+        raise ValueError(f"expected a 3-D picture, got shape {picture.shape}")
+    if picture.shape[0] in (1, 3) and picture.shape[2] not in (1, 3):
+        picture = picture.transpose(1, 2, 0)
+    markers = [_centre_level(picture, LABEL_ROWS - 1, c) for c in range(LABEL_COLUMNS)]
+    odd = min(markers) > (MARKER_EVEN + MARKER_ODD) / 2
+    if not odd and max(markers) > (MARKER_EVEN + MARKER_ODD) / 2:
+        raise ValueError(f"parity marker blocks disagree: grey levels {markers}")
+    values = []
+    for row in range(2):
+        value = 0
+        for column in range(LABEL_COLUMNS):
+            level = _centre_level(picture, row, column)
+            level = 255 - level if odd else level
+            digit = int(round((level - LABEL_LEVEL0) / LABEL_STEP))
+            expected = LABEL_LEVEL0 + LABEL_STEP * digit
+            if not 0 <= digit < LABEL_BASE or abs(level - expected) > LABEL_TOLERANCE:
+                raise ValueError(
+                    f"block (row {row}, column {column}) has grey level {level:.1f}, "
+                    f"not within {LABEL_TOLERANCE} of a label digit"
+                )
+            value = value * LABEL_BASE + digit
+        values.append(value)
+    if values[1] % 2 != odd:
+        raise ValueError(f"parity marker says {'odd' if odd else 'even'}, frame reads {values[1]}")
+    return values[0], values[1]
+
+
+# --- statistics (the shape LeRobot stores; values need not match LeRobot's sampling) -----------
+
+
+def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    """min/max/mean/std/count/quantiles over axis 0 (and the image axes LeRobot reduces)."""
+    data = values.astype(np.float64)
+    axes = (0, *keep_axes)
+    keep = bool(keep_axes)
+    out = {
+        "min": data.min(axis=axes, keepdims=keep),
+        "max": data.max(axis=axes, keepdims=keep),
+        "mean": data.mean(axis=axes, keepdims=keep),
+        "std": data.std(axis=axes, keepdims=keep),
+        "count": np.array([values.shape[0]], dtype=np.int64),
+    }
+    for name, q in QUANTILES.items():
+        out[name] = np.quantile(data, q, axis=axes, keepdims=keep)
+    if keep:  # images: (1, C, 1, 1) -> (C, 1, 1)
+        out = {k: (v[0] if k != "count" else v) for k, v in out.items()}
+    return out
+
+
+def _json_stats(stats: dict[str, np.ndarray]) -> dict[str, list]:
+    return {name: np.asarray(value).tolist() for name, value in stats.items()}
+
+
+# --- video encoding -------------------------------------------------------------------------
+
+
+def _encoder_options(codec: str, gop: int, bframes: int) -> dict[str, str]:
+    options = {"g": str(gop), "crf": str(ENCODER_CRF[codec])}
+    if codec == "libsvtav1":
+        options["preset"] = str(SVT_PRESET)
+    else:
+        options["bf"] = str(bframes)
+    return options
+
+
+@contextlib.contextmanager
+def keep_scheduling() -> Iterator[None]:
+    """Restore the calling thread's scheduling policy after encoding.
+
+    SVT-AV1, run as root, switches the thread that opens the encoder to ``SCHED_FIFO`` priority
+    99 and never switches it back. Every process forked afterwards (DataLoader workers, servers)
+    inherits that real-time policy, and one busy thread then starves the whole machine.
+    """
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
+
+
+def _encode_episode(pictures: Sequence[np.ndarray], fps: int, options: dict[str, str],
+                    codec: str) -> bytes:
+    """One episode as its own MP4 in memory (LeRobot encodes each episode, then concatenates)."""
+    import av
+
+    buffer = io.BytesIO()
+    with keep_scheduling(), av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps, options=options)
+        stream.height, stream.width = pictures[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for picture in pictures:
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def _concatenate(episode_videos: Sequence[bytes], lengths: Sequence[int], fps: int,
+                 path: Path) -> None:
+    """Remux episode videos into one faststart MP4, each shifted by the preceding durations."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as output:
+        out_stream = None
+        offset_frames = 0
+        for video, length in zip(episode_videos, lengths, strict=True):
+            with av.open(io.BytesIO(video)) as source:
+                in_stream = source.streams.video[0]
+                if out_stream is None:
+                    out_stream = output.add_stream_from_template(in_stream, opaque=True)
+                # Shift by the episode's start in ticks: offset_frames / fps seconds.
+                shift = offset_frames * in_stream.time_base.denominator // (
+                    fps * in_stream.time_base.numerator)
+                for packet in source.demux(in_stream):
+                    if packet.dts is None:  # the demuxer's end-of-stream marker
+                        continue
+                    packet.pts += shift
+                    packet.dts += shift
+                    packet.stream = out_stream
+                    output.mux(packet)
+            offset_frames += length
+
+
+# --- Parquet writers ------------------------------------------------------------------------
+
+
+def _hf_features(features: dict) -> dict:
+    """The ``huggingface`` schema metadata HF ``datasets`` stores with the data files."""
+    out = {}
+    for name, feature in features.items():
+        if feature["dtype"] == "video":
+            continue
+        value = {"dtype": feature["dtype"], "_type": "Value"}
+        if feature["shape"] == [1]:
+            out[name] = value
+        else:
+            out[name] = {"feature": value, "length": feature["shape"][0], "_type": "List"}
+    return {"info": {"features": out}}
+
+
+def _data_schema(features: dict) -> pa.Schema:
+    fields = [
+        pa.field("observation.state", pa.list_(pa.float32(), 6)),
+        pa.field("action", pa.list_(pa.float32(), 6)),
+        pa.field("timestamp", pa.float32()),
+        pa.field("frame_index", pa.int64()),
+        pa.field("episode_index", pa.int64()),
+        pa.field("index", pa.int64()),
+        pa.field("task_index", pa.int64()),
+    ]
+    metadata = {b"huggingface": json.dumps(_hf_features(features)).encode()}
+    return pa.schema(fields, metadata=metadata)
+
+
+def _episode_rows(episode: int, length: int, first_index: int, fps: int) -> dict[str, np.ndarray]:
+    frame = np.arange(length, dtype=np.int64)
+    state = np.zeros((length, 6), dtype=np.float32)
+    state[:, 0] = episode
+    state[:, 1] = frame
+    action = np.repeat((episode + frame / 1000).astype(np.float32)[:, None], 6, axis=1)
+    return {
+        "observation.state": state,
+        "action": action,
+        "timestamp": (frame / fps).astype(np.float32),
+        "frame_index": frame,
+        "episode_index": np.full(length, episode, dtype=np.int64),
+        "index": first_index + frame,
+        "task_index": np.full(length, episode % len(TASKS), dtype=np.int64),
+    }
+
+
+def _rows_table(rows: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
+    columns = []
+    for field_ in schema:
+        values = rows[field_.name]
+        if values.ndim == 2:
+            flat = pa.array(values.reshape(-1), type=field_.type.value_type)
+            columns.append(pa.FixedSizeListArray.from_arrays(flat, values.shape[1]))
+        else:
+            columns.append(pa.array(values, type=field_.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _tasks_table() -> pa.Table:
+    """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape)."""
+    pandas_metadata = {
+        "index_columns": ["task"],
+        "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
+                            "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
+        "columns": [
+            {"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
+             "numpy_type": "int64", "metadata": None},
+            {"name": "task", "field_name": "task", "pandas_type": "unicode",
+             "numpy_type": "object", "metadata": None},
+        ],
+        "attributes": {},
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.3.3",
+    }
+    schema = pa.schema(
+        [pa.field("task_index", pa.int64()), pa.field("task", pa.string())],
+        metadata={b"pandas": json.dumps(pandas_metadata).encode()},
+    )
+    return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
+
+
+def _next_file(chunk: int, file: int) -> tuple[int, int]:
+    """LeRobot's ``update_chunk_file_indices`` rollover."""
+    return (chunk + 1, 0) if file == CHUNKS_SIZE - 1 else (chunk, file + 1)
+
+
+def _file_indices(count: int, per_file: int) -> list[tuple[int, int]]:
+    """(chunk, file) of each of ``count`` episodes placed ``per_file`` to a file."""
+    out, chunk, file = [], 0, 0
+    for episode in range(count):
+        if episode and episode % per_file == 0:
+            chunk, file = _next_file(chunk, file)
+        out.append((chunk, file))
+    return out
+
+
+# --- the dataset ----------------------------------------------------------------------------
+
+
+def write_demo_dataset(
+    root: str | os.PathLike,
+    *,
+    episode_lengths: Sequence[int] = (24, 31, 18, 40, 27, 35),
+    cameras: Sequence[str] = ("observation.images.front", "observation.images.wrist"),
+    size: tuple[int, int] | Mapping[str, tuple[int, int]] = (64, 48),
+    fps: int = 30,
+    codec: str = "libsvtav1",
+    gop: int = 2,
+    bframes: int = 0,
+    episodes_per_video_file: int = 4,
+    episodes_per_data_file: int = 3,
+) -> None:
+    """Write a LeRobot v3.0 dataset of labelled frames under ``root`` (created if missing).
+
+    ``size`` is (width, height) of every camera, or a mapping camera → (width, height) (different
+    sizes make the cameras' files differ, so a mix-up of cameras cannot go unnoticed). ``codec``
+    is ``"libsvtav1"`` (LeRobot's default, ``gop`` 2) or ``"libx264"`` (use ``gop=30,
+    bframes=2`` for reordered video).
+    """
+    if codec not in ENCODER_NAMES:
+        raise ValueError(f"codec must be one of {sorted(ENCODER_NAMES)}, got {codec!r}")
+    lengths = [int(n) for n in episode_lengths]
+    if not lengths or min(lengths) < 1 or len(lengths) > LABEL_MAX or max(lengths) > LABEL_MAX:
+        raise ValueError(f"episode lengths must be 1..{LABEL_MAX}, at most {LABEL_MAX} episodes")
+    sizes = {c: tuple(size[c]) if isinstance(size, Mapping) else tuple(size) for c in cameras}
+    root = Path(root)
+    # SVT-AV1 prints its configuration banner to stderr unless told otherwise.
+    os.environ.setdefault("SVT_LOG", "1")
+
+    features = _features(sizes, fps, codec, gop, bframes)
+    first_index = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    data_files = _file_indices(len(lengths), episodes_per_data_file)
+    video_files = _file_indices(len(lengths), episodes_per_video_file)
+    rows = [_episode_rows(e, n, int(first_index[e]), fps) for e, n in enumerate(lengths)]
+
+    _write_data(root, rows, data_files, features)
+    video_times = _write_videos(root, lengths, sizes, fps, codec,
+                                _encoder_options(codec, gop, bframes), video_files)
+    _write_episodes(root, lengths, first_index, rows, data_files, video_files, video_times, sizes)
+    pq.write_table(_tasks_table(), root / "meta" / "tasks.parquet")
+    _write_info_and_stats(root, features, fps, lengths, rows, sizes)
+
+
+def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
+              bframes: int) -> dict:
+    features: dict = {}
+    for camera, (width, height) in sizes.items():
+        info = {
+            "video.height": height,
+            "video.width": width,
+            "video.codec": ENCODER_NAMES[codec],
+            "video.pix_fmt": "yuv420p",
+            "video.fps": fps,
+            "video.channels": 3,
+            "has_audio": False,
+            "video.g": gop,
+            "video.crf": ENCODER_CRF[codec],
+            "video.preset": SVT_PRESET if codec == "libsvtav1" else None,
+            "video.fast_decode": 0,
+            "video.video_backend": "pyav",
+            "video.extra_options": {} if codec == "libsvtav1" else {"bf": bframes},
+            "is_depth_map": False,
+        }
+        features[camera] = {"dtype": "video", "shape": [height, width, 3],
+                            "names": ["height", "width", "channels"], "info": info}
+    for name in ("observation.state", "action"):
+        features[name] = {"dtype": "float32", "shape": [6], "names": STATE_NAMES}
+    features["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
+    for name in ("frame_index", "episode_index", "index", "task_index"):
+        features[name] = {"dtype": "int64", "shape": [1], "names": None}
+    return features
+
+
+def _write_data(root: Path, rows: list[dict], data_files: list[tuple[int, int]],
+                features: dict) -> None:
+    schema = _data_schema(features)
+    for chunk_file in sorted(set(data_files)):
+        path = root / DATA_PATH.format(chunk_index=chunk_file[0], file_index=chunk_file[1])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One write_table per episode: one row group per episode, like LeRobot's recorder.
+        with pq.ParquetWriter(path, schema, compression="snappy") as writer:
+            for episode, placed in enumerate(data_files):
+                if placed == chunk_file:
+                    writer.write_table(_rows_table(rows[episode], schema))
+
+
+def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, int]], fps: int,
+                  codec: str, options: dict[str, str],
+                  video_files: list[tuple[int, int]]) -> dict[str, list[tuple[float, float]]]:
+    """Encode and concatenate; return each camera's per-episode (from_s, to_s)."""
+    times: dict[str, list[tuple[float, float]]] = {}
+    for camera, (width, height) in sizes.items():
+        times[camera] = []
+        for chunk_file in sorted(set(video_files)):
+            members = [e for e, placed in enumerate(video_files) if placed == chunk_file]
+            videos = [
+                _encode_episode([frame_picture(e, f, width, height) for f in range(lengths[e])],
+                                fps, options, codec)
+                for e in members
+            ]
+            path = root / VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0],
+                                            file_index=chunk_file[1])
+            _concatenate(videos, [lengths[e] for e in members], fps, path)
+            from_s = 0.0
+            for e in members:
+                to_s = from_s + lengths[e] / fps
+                times[camera].append((from_s, to_s))
+                from_s = to_s
+    return times
+
+
+def _write_episodes(root: Path, lengths: list[int], first_index: np.ndarray, rows: list[dict],
+                    data_files: list[tuple[int, int]], video_files: list[tuple[int, int]],
+                    video_times: dict[str, list[tuple[float, float]]],
+                    sizes: dict[str, tuple[int, int]]) -> None:
+    columns: dict[str, list] = {
+        "episode_index": list(range(len(lengths))),
+        "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],
+        "length": lengths,
+        "data/chunk_index": [c for c, _ in data_files],
+        "data/file_index": [f for _, f in data_files],
+        "dataset_from_index": first_index[:-1].tolist(),
+        "dataset_to_index": first_index[1:].tolist(),
+    }
+    for camera in sizes:
+        columns[f"videos/{camera}/chunk_index"] = [c for c, _ in video_files]
+        columns[f"videos/{camera}/file_index"] = [f for _, f in video_files]
+        columns[f"videos/{camera}/from_timestamp"] = [t[0] for t in video_times[camera]]
+        columns[f"videos/{camera}/to_timestamp"] = [t[1] for t in video_times[camera]]
+    per_episode = [_episode_stats(r, sizes) for r in rows]
+    for name in per_episode[0]:
+        for stat in per_episode[0][name]:
+            columns[f"stats/{name}/{stat}"] = [s[name][stat].tolist() for s in per_episode]
+    columns["meta/episodes/chunk_index"] = [0] * len(lengths)
+    columns["meta/episodes/file_index"] = [0] * len(lengths)
+    types = {"tasks": pa.list_(pa.string())}
+    table = pa.table({k: pa.array(v, type=types.get(k)) for k, v in columns.items()})
+    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def _episode_stats(rows: dict[str, np.ndarray],
+                   sizes: dict[str, tuple[int, int]]) -> dict[str, dict]:
+    stats = {}
+    labels = list(zip(rows["episode_index"].tolist(), rows["frame_index"].tolist(), strict=True))
+    for camera, (width, height) in sizes.items():
+        pictures = np.stack([frame_picture(e, f, width, height) for e, f in labels])
+        images = pictures.transpose(0, 3, 1, 2) / 255.0  # (N, C, H, W) in [0, 1] as LeRobot's
+        stats[camera] = _stats(images, keep_axes=(2, 3))
+    for name, values in rows.items():
+        stats[name] = _stats(values if values.ndim == 2 else values[:, None])
+    return stats
+
+
+def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[int],
+                          rows: list[dict], sizes: dict[str, tuple[int, int]]) -> None:
+    info = {
+        "codebase_version": "v3.0",
+        "fps": fps,
+        "features": features,
+        "total_episodes": len(lengths),
+        "total_frames": int(sum(lengths)),
+        "total_tasks": len(TASKS),
+        "chunks_size": CHUNKS_SIZE,
+        "data_files_size_in_mb": 100,
+        "video_files_size_in_mb": 200,
+        "data_path": DATA_PATH,
+        "video_path": VIDEO_PATH if sizes else None,
+        "robot_type": "refstream_demo",
+        "splits": {"train": f"0:{len(lengths)}"},
+    }
+    (root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    merged = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    stats = _episode_stats(merged, sizes)
+    (root / "meta" / "stats.json").write_text(
+        json.dumps({name: _json_stats(s) for name, s in stats.items()}, indent=4))
+
+
+# --- loopback HTTP server -------------------------------------------------------------------
+
+
+@dataclass
+class LoopbackServer:
+    """A running :func:`serve_directory` server and what it has served so far."""
+
+    root: Path
+    url: str = ""
+    requests: int = 0  # every request line received (HEAD and GET, any status)
+    range_requests: int = 0  # GET requests that carried a Range header
+    body_bytes: int = 0  # response body bytes sent
+    log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
+    # (method, path, Range header or None, status)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _record(self, method: str, path: str, range_header: str | None, status: int,
+                sent: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.range_requests += range_header is not None and method == "GET"
+            self.body_bytes += sent
+            self.log.append((method, path, range_header, status))
+
+
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """Inclusive (first, last) of a single byte range, or None if unsatisfiable/malformed."""
+    match = _RANGE.match(header.strip())
+    if match is None:
+        return None
+    first_text, last_text = match.groups()
+    if not first_text:  # suffix range: the last N bytes
+        if not last_text or int(last_text) == 0 or size == 0:
+            return None
+        return max(0, size - int(last_text)), size - 1
+    first = int(first_text)
+    last = size - 1 if not last_text else min(int(last_text), size - 1)
+    if first >= size or (last_text and int(last_text) < first):
+        return None
+    return first, last
+
+
+def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]:
+    root = server_state.root.resolve()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse the connection
+
+        def log_message(self, format, *args):  # noqa: A002 - the base class's name
+            pass  # quiet: the counters are the log
+
+        def do_HEAD(self):
+            self._respond(send_body=False)
+
+        def do_GET(self):
+            self._respond(send_body=True)
+
+        def _resolve(self) -> Path | None:
+            relative = unquote(urlsplit(self.path).path).lstrip("/")
+            path = (root / relative).resolve()
+            if path != root and root not in path.parents:
+                return None
+            return path if path.is_file() else None
+
+        def _finish(self, status: int, headers: dict[str, str], body: bytes, send_body: bool,
+                    range_header: str | None) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            if send_body:
+                self.wfile.write(body)
+            server_state._record(self.command, self.path, range_header, status,
+                                 len(body) if send_body else 0)
+
+        def _respond(self, send_body: bool) -> None:
+            range_header = self.headers.get("Range")
+            path = self._resolve()
+            if path is None:
+                body = b"not found\n"
+                self._finish(HTTPStatus.NOT_FOUND, {"Content-Length": str(len(body))}, body,
+                             send_body, range_header)
+                return
+            stat = path.stat()
+            size = stat.st_size
+            headers = {
+                "ETag": f'"{size:x}-{stat.st_mtime_ns:x}"',
+                "Accept-Ranges": "bytes",
+                "Content-Type": "application/octet-stream",
+            }
+            if range_header is None or "," in range_header:
+                # No range, or several: RFC 9110 lets a server ignore Range and send it all.
+                body = path.read_bytes() if send_body else b""
+                headers["Content-Length"] = str(size)
+                self._finish(HTTPStatus.OK, headers, body, send_body, range_header)
+                return
+            bounds = _parse_range(range_header, size)
+            if bounds is None:
+                headers["Content-Range"] = f"bytes */{size}"
+                headers["Content-Length"] = "0"
+                self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"", send_body,
+                             range_header)
+                return
+            first, last = bounds
+            body = b""
+            if send_body:
+                with path.open("rb") as handle:
+                    handle.seek(first)
+                    body = handle.read(last - first + 1)
+            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+            headers["Content-Length"] = str(last - first + 1)
+            self._finish(HTTPStatus.PARTIAL_CONTENT, headers, body, send_body, range_header)
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
+    """Serve ``root`` on ``http://127.0.0.1:<ephemeral port>`` until the block exits."""
+    state = LoopbackServer(root=Path(root))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(state))
+    server.daemon_threads = True
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback",
+                              daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+# --- measuring a stream ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamMeasurement:
+    """What one :func:`consume` run saw (times in seconds, sizes in bytes)."""
+
+    samples: int
+    batches: int
+    seconds: float  # from creating the first DataLoader iterator to the last batch
+    first_sample_s: float  # from creating the first DataLoader iterator to the first batch
+    fetch_requests: int  # range and whole-file reads by the workers, all epochs
+    fetch_bytes: int
+    peak_reserved_bytes: list[int]  # per worker: the byte budget's high-water mark, all epochs
+    budget_bytes: list[int]  # per worker
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
+            max_samples: int | None = None, progress: bool = True,
+            on_batch: Callable[[dict], None] | None = None) -> StreamMeasurement:
+    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader, stopping after
+    ``max_samples`` samples if given; ``on_batch`` sees every collated batch."""
+    import torch
+    from tqdm import tqdm
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
+                                         num_workers=num_workers)
+    total = dataset.rank_frames * epochs
+    bar = tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
+               dynamic_ncols=True)
+    samples = batches = requests = fetched = 0
+    peaks: list[int] = []
+    budgets: list[int] = []
+    first_s = None
+    start = time.perf_counter()
+    try:
+        for epoch in range(epochs):
+            dataset.set_epoch(epoch)
+            batches_of_epoch = iter(loader)
+            for batch in batches_of_epoch:
+                if first_s is None:
+                    first_s = time.perf_counter() - start
+                count = len(batch["index"]) if "index" in batch else batch_size
+                samples += count
+                batches += 1
+                bar.update(count)
+                if on_batch is not None:
+                    on_batch(batch)
+                if max_samples is not None and samples >= max_samples:
+                    break
+            del batches_of_epoch  # shuts the workers down before their last counters are read
+            stats = dataset.worker_stats()
+            requests += sum(w["fetch_requests"] for w in stats)
+            fetched += sum(w["fetch_bytes"] for w in stats)
+            peaks = [max(a, w["peak_reserved_bytes"]) for a, w in
+                     zip(peaks or [0] * len(stats), stats, strict=False)]
+            budgets = [w["budget_bytes"] for w in stats]
+            if max_samples is not None and samples >= max_samples:
+                break
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    return StreamMeasurement(samples, batches, seconds, first_s or 0.0, requests, fetched,
+                             peaks, budgets)
+
+
+# --- the demo -------------------------------------------------------------------------------
+
+DEMO_EPISODE_LENGTHS = (45, 30, 60, 38, 52, 41, 33, 57, 48, 36, 29, 50)  # 519 frames
+DEMO_EPISODES_PER_VIDEO_FILE = 5  # 12 episodes -> 3 files per camera
+DEMO_EPISODES_PER_DATA_FILE = 6
+DEMO_BUDGET_FRACTION = 0.5  # the byte budget: half the video bytes, so it bounds admission
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    """What ``refstream demo`` verified and measured."""
+
+    episodes: int
+    frames: int
+    cameras: int
+    video_files: int
+    dataset_bytes: int  # every file of the dataset
+    video_bytes: int
+    measurement: StreamMeasurement
+    requests: int  # HTTP requests the server answered (metadata, index, Parquet, video spans)
+    setup_requests: int  # of which before streaming: metadata and building the sidecar index
+    video_span_requests: int  # video range requests while streaming
+    body_bytes: int  # response body bytes sent by the server
+    checked_frames: int  # camera frames whose label was read back
+    problems: list[str]  # empty when every check passed
+
+    def lines(self) -> list[str]:
+        m = self.measurement
+        verdict = "OK" if not self.problems else f"FAILED ({len(self.problems)} problems)"
+        out = [
+            f"dataset: {self.episodes} episodes, {self.frames} frames, {self.cameras} cameras "
+            f"in {self.video_files} AV1 files ({self.dataset_bytes:,} bytes, video "
+            f"{self.video_bytes:,})",
+            f"verified: {verdict}: every frame exactly once ({m.samples} samples); rows and "
+            f"{self.checked_frames} decoded camera frames belong to their anchor",
+            f"throughput: {m.samples_per_s:,.0f} samples/s over {m.seconds:.2f} s; first "
+            f"sample after {m.first_sample_s:.2f} s",
+            f"fetched: {self.requests} HTTP requests ({self.setup_requests} for metadata and the "
+            f"index, {self.video_span_requests} video spans for {self.episodes} episodes x "
+            f"{self.cameras} cameras), {self.body_bytes:,} bytes = "
+            f"{self.body_bytes / self.dataset_bytes:.2f} x the dataset",
+            "budget: peak reserved per worker "
+            + ", ".join(f"{peak:,}" for peak in m.peak_reserved_bytes)
+            + f" of {max(m.budget_bytes, default=0):,} bytes each",
+        ]
+        out += [f"problem: {p}" for p in self.problems[:10]]
+        return out
+
+
+def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
+             batch_size: int = 8, progress: bool = True) -> DemoReport:
+    """Generate, serve and stream the demo dataset; verify every sample (``refstream demo``)."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="refstream-demo-"))
+        root = Path(workdir) / "dataset"
+        write_demo_dataset(root, episode_lengths=DEMO_EPISODE_LENGTHS,
+                           episodes_per_video_file=DEMO_EPISODES_PER_VIDEO_FILE,
+                           episodes_per_data_file=DEMO_EPISODES_PER_DATA_FILE)
+        files = [p for p in root.rglob("*") if p.is_file()]
+        video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
+        # The sidecar cache goes with the demo's files: the loopback URL changes on every run.
+        previous_cache = os.environ.get("REFSTREAM_CACHE")
+        os.environ["REFSTREAM_CACHE"] = str(Path(workdir) / "cache")
+        stack.callback(_restore_env, "REFSTREAM_CACHE", previous_cache)
+        server = stack.enter_context(serve_directory(root))
+        return _stream_and_check(root, server, files, video_bytes, num_workers, batch_size,
+                                 progress)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _stream_and_check(root: Path, server: LoopbackServer, files: list[Path], video_bytes: int,
+                      num_workers: int, batch_size: int, progress: bool) -> DemoReport:
+    from refstream.stream import GIB, StreamingDataset
+
+    lengths = DEMO_EPISODE_LENGTHS
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    budget_gb = DEMO_BUDGET_FRACTION * video_bytes / GIB
+    dataset = StreamingDataset(server.url, byte_budget_gb=budget_gb, seed=0, return_uint8=True)
+    setup_requests = len(server.log)
+    cameras = dataset.meta.camera_keys
+    seen: list[tuple[int, int]] = []
+    problems: list[str] = []
+    checked = 0
+
+    def check(batch: dict) -> None:
+        nonlocal checked
+        for i in range(len(batch["index"])):
+            e, f = int(batch["episode_index"][i]), int(batch["frame_index"][i])
+            seen.append((e, f))
+            state = batch["observation.state"][i]
+            if int(batch["index"][i]) != starts[e] + f or state[0] != e or state[1] != f:
+                problems.append(f"rows of episode {e} frame {f} belong to another anchor")
+            for camera in cameras:
+                label = read_frame_label(batch[camera][i].numpy())
+                checked += 1
+                if label != (e, f):
+                    problems.append(f"{camera} of episode {e} frame {f} shows {label}")
+
+    measurement = consume(dataset, num_workers=num_workers, batch_size=batch_size,
+                          progress=progress, on_batch=check)
+    expected = [(e, f) for e, n in enumerate(lengths) for f in range(n)]
+    if sorted(seen) != expected:
+        missing = len(set(expected) - set(seen))
+        problems.append(f"{len(seen)} samples, {missing} frames missing, "
+                        f"{len(seen) - len(set(seen))} repeated")
+    if any(peak > budget for peak, budget in zip(measurement.peak_reserved_bytes,
+                                                 measurement.budget_bytes, strict=True)):
+        problems.append("a worker's byte budget was exceeded")
+    video_spans = sum(1 for method, path, rng, _ in server.log[setup_requests:]
+                      if method == "GET" and rng and path.endswith(".mp4"))
+    return DemoReport(
+        episodes=len(lengths), frames=int(sum(lengths)), cameras=len(cameras),
+        video_files=sum(1 for p in files if p.suffix == ".mp4"),
+        dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
+        measurement=measurement, requests=server.requests, setup_requests=setup_requests,
+        video_span_requests=video_spans,
+        body_bytes=server.body_bytes, checked_frames=checked, problems=problems,
+    )

@@ -1,0 +1,721 @@
+"""``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader.
+
+Use::
+
+    dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32, num_workers=4)
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        for batch in loader: ...
+
+A sample equals LeRobot's map-style ``LeRobotDataset[i]`` for the same frame, key for key and
+dtype for dtype:
+
+=========================  ==================================================================
+key                        value
+=========================  ==================================================================
+every Parquet feature      a tensor as LeRobot's ``hf_transform_to_torch`` makes it: floats
+                           ``float32``, integers ``int64``, booleans ``bool``; a scalar column
+                           is 0-d, a fixed-length list is 1-D; a windowed key is stacked
+                           ``(T, …)`` over its window rows
+``{key}_is_pad``           ``bool (T,)`` for every key of ``delta_timestamps``
+each camera                ``float32 (C, H, W)`` in ``[0, 1]`` (``uint8`` with
+                           ``return_uint8``); ``(T, C, H, W)`` for a window of ``T > 1``
+``task``                   the task string of the anchor row's ``task_index``
+=========================  ==================================================================
+
+What happens where. ``__init__`` (the main process) reads the metadata, selects episodes, checks
+the windows, resolves the rank and world size (arguments, else an initialised
+``torch.distributed``, else the ``RANK``/``WORLD_SIZE`` environment, else 0/1) and makes sure the
+sidecar index of every video file exists (built once, then found in the cache). Every
+DataLoader worker (or the main process with ``num_workers=0``) then, in ``__iter__``:
+
+1. takes its *logical* worker's share: the rank's share (``shard.rank_share``) split over the
+   workers (``shard.worker_shares``), DataLoader worker ``p`` playing logical worker
+   ``(p + rotation) mod N`` after a resume, and its slice of the limits (``shard.split_limits``);
+2. computes each share episode's exact byte size, the sum over cameras of the synthesized
+   mini-MP4 sizes of its span (``synth.select_span`` for the times the episode requests,
+   ``from_timestamp + float32(k / fps)`` as LeRobot's recorder writes them; when the rows arrive,
+   the span of the exact times ``from_timestamp + timestamp`` must lie inside it, else
+   ``TableError``), and builds its :class:`~refstream.planner.Planner`, skipping the resume
+   offset;
+3. follows the planner: an admitted episode is reserved whole in the worker's
+   :class:`~refstream.budget.ByteBudget` (waiting only for in-flight fetches) and leased until it
+   is drained and its last sample yielded; frontier episodes (``planner.frontier``) are
+   reserved speculatively while they fit without evicting anything; each reservation starts one
+   fetch task on the fetch threads: the episode's Parquet rows (``tables.read_episode_rows``) and
+   one byte range per camera, turned into a mini-MP4 (``synth.synthesize``);
+4. submits each anchor to ``decode_threads`` assembly threads (rows, windows, frames decoded at
+   their exact presentation times by ``decode.DecoderCache``) and keeps at most
+   ``decoded_queue_size`` samples in flight, yielding them strictly in planner order; image
+   transforms run on the yielding thread, so a seeded generator reproduces them.
+
+Every resource (threads, budget, decoders, the source's connections) is closed when the
+generator ends, fails or is closed early; an exception in any thread reaches the consumer with
+its cause chained.
+
+Epochs, resume and the end of an epoch. The stream's position is ``(epoch, samples)``: every
+iterator starts there. ``set_epoch(e)`` sets ``(e, 0)``; ``load_state_dict(state)`` sets the
+checkpoint's position. The position lives in shared memory, so persistent workers see it.
+Without ``repeat`` an iterator is one epoch; with it the workers run epoch after epoch forever.
+A checkpoint is ``dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)`` where
+``steps`` counts the batches consumed since the position was set. A training loop::
+
+    dataset = StreamingDataset(root, repeat=True, seed=seed)
+    loader = DataLoader(dataset, batch_size=B, num_workers=N)
+    if checkpoint is not None:
+        dataset.load_state_dict(checkpoint["data"])         # before iter(loader)
+    for steps, batch in enumerate(loader, start=1):
+        ...                                                  # train on the batch
+        if steps % save_every == 0:
+            save({"data": dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)})
+
+With ``world_size > 1`` and no ``repeat``, every rank must yield the same number of batches or
+DDP hangs: give ``batch_size`` and each rank stops after ``planner.epoch_batches`` batches (the
+fewest any rank can fill); the frames past that point are not emitted in that epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from refstream import shard, synth
+from refstream.budget import ByteBudget
+from refstream.decode import DecoderCache, to_float_chw
+from refstream.errors import TableError, TopologyChanged, UsageError
+from refstream.fetch import open_source
+from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
+from refstream.planner import (
+    DEFAULT_SEED,
+    STRATEGIES,
+    Planner,
+    ResumeSetup,
+    ResumeState,
+    epoch_batches,
+    resume_positions,
+    selection_digest,
+)
+from refstream.sidecar import DatasetIdentity, ensure_index, map_index
+from refstream.tables import read_episode_rows
+from refstream.windows import make_windows, window_rows
+
+__all__ = ["StreamingDataset", "GIB"]
+
+GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
+# Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
+# each episode is one task, and a worker's share of a 2-core machine is small.
+MAX_FETCH_THREADS = 4
+# Layout of the shared position tensor (int64): where every new iterator starts.
+_EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS = range(4)
+# Per-worker counters every worker publishes in shared memory (for the demo, benches and tests);
+# workers with an id beyond MAX_TRACKED_WORKERS stream normally but publish nothing.
+STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
+               "fetch_requests", "fetch_bytes")
+MAX_TRACKED_WORKERS = 64
+
+
+@dataclass(frozen=True)
+class _Video:
+    """One camera's synthesized episode video."""
+
+    mp4: bytes
+    start_s: float  # source-file seconds of the mini-MP4's local time 0 (span start pts)
+
+
+@dataclass(frozen=True)
+class _Episode:
+    """What a fetch task produces for one episode: its rows and its videos."""
+
+    rows: dict[str, np.ndarray]  # Parquet column -> values, one entry per frame
+    videos: dict[str, _Video]  # camera -> video
+
+
+class StreamingDataset(IterableDataset):
+    """A LeRobot v3 dataset streamed episode by episode (see the module docstring).
+
+    ``root`` is a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
+    ``episode_pool_size`` is per worker (default: 32 per rank split over the workers);
+    ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` are per rank, split over the
+    workers; ``prefetch_episodes`` frontier episodes are fetched ahead per worker.
+    ``batch_size`` (refstream's addition) is the DataLoader's batch size: needed only for the
+    distributed end of a finite epoch, and checked against checkpoints when given.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        episodes: Sequence[int] | None = None,
+        delta_timestamps: Mapping[str, Sequence[float]] | None = None,
+        tolerance_s: float = 1e-4,
+        seed: int | None = None,
+        sampling_strategy: str = "pool",
+        episode_pool_size: int | None = None,
+        prefetch_episodes: int = 8,
+        byte_budget_gb: float = 8.0,
+        decode_threads: int = 2,
+        decoded_queue_size: int = 8,
+        video_decoder_cache_size: int | None = None,
+        return_uint8: bool = False,
+        image_transforms: Callable | None = None,
+        repeat: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_settings(seed, sampling_strategy, prefetch_episodes, byte_budget_gb,
+                        decode_threads, decoded_queue_size, batch_size)
+        self.root = str(root)
+        self.tolerance_s = float(tolerance_s)
+        self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self.sampling_strategy = sampling_strategy
+        self.episode_pool_size = episode_pool_size
+        self.prefetch_episodes = prefetch_episodes
+        self.byte_budget = int(byte_budget_gb * GIB)
+        self.decode_threads = decode_threads
+        self.decoded_queue_size = decoded_queue_size
+        self.video_decoder_cache_size = video_decoder_cache_size
+        self.return_uint8 = return_uint8
+        self.image_transforms = image_transforms
+        self.repeat = repeat
+        self.batch_size = batch_size
+        self.rank, self.world_size = _resolve_rank(rank, world_size)
+
+        source = open_source(self.root)
+        try:
+            self.meta: DatasetMeta = load_meta(source)
+            self.episodes = select_episodes(self.meta, episodes)
+            self.frames = [self.meta.frames(e) for e in self.episodes]
+            self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
+                                        feature_keys=self.meta.features)
+            self.rank_episodes = shard.rank_share(self.episodes, self.frames, self.rank,
+                                                  self.world_size)
+            self.index_path = self._ensure_index(source) if self.meta.camera_keys else None
+            # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
+            self.worker_root = (_pinned_root(self.root, source.identity(INFO_PATH))
+                                if self.root.startswith("hf://datasets/") else self.root)
+        finally:
+            source.close()
+        self._frames_of = dict(zip(self.episodes, self.frames, strict=True))
+        self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
+        # (epoch, samples, resume batch size, resume worker count); 0 batch size = no resume.
+        self._position = torch.zeros(4, dtype=torch.int64).share_memory_()
+        self._stats = torch.zeros((MAX_TRACKED_WORKERS, len(STAT_FIELDS)),
+                                  dtype=torch.int64).share_memory_()
+
+    def worker_stats(self) -> list[dict[str, int]]:
+        """Counters of each DataLoader worker of the current or last iteration (worker id
+        order; with ``num_workers=0`` the one entry is the main process). ``samples`` counts
+        samples yielded, ``peak_reserved_bytes`` the byte budget's high-water mark, and
+        ``fetch_*`` the source's requests and bytes since the worker started."""
+        rows = self._stats.tolist()
+        return [dict(zip(STAT_FIELDS, row, strict=True)) for row in rows if row[0] or row[1]]
+
+    # --- position: epochs and resume ----------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start every following iterator at the beginning of ``epoch`` (clears a resume)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._position.copy_(torch.tensor([epoch, 0, 0, 0]))
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iterator starts in (before any resume roll-over)."""
+        return int(self._position[_EPOCH])
+
+    def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
+        """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
+        the current position was set, with a DataLoader of ``num_workers`` workers."""
+        base = int(self._position[_SAMPLES])
+        if int(self._position[_RESUME_BATCH]) not in (0, batch_size):
+            raise TopologyChanged(
+                f"resumed with batch size {int(self._position[_RESUME_BATCH])}, "
+                f"checkpointing with {batch_size}"
+            )
+        state = ResumeState(epoch=self.epoch, samples=base + samples,
+                            setup=self._setup(batch_size, max(1, num_workers)))
+        ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
+        return state.to_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Start every following iterator where ``state`` (from :meth:`state_dict`) left off.
+
+        Everything but the DataLoader's worker count is checked now (TopologyChanged names what
+        differs); the worker count is checked when iteration starts."""
+        parsed = ResumeState.from_dict(dict(state))
+        expected = self._setup(parsed.setup.batch_size, parsed.setup.num_workers)
+        parsed.require_setup(expected)
+        self._position.copy_(torch.tensor(
+            [parsed.epoch, parsed.samples, parsed.setup.batch_size, parsed.setup.num_workers]))
+
+    def _setup(self, batch_size: int, num_workers: int) -> ResumeSetup:
+        if self.batch_size is not None and batch_size != self.batch_size:
+            raise TopologyChanged(
+                f"batch size {batch_size} differs from the dataset's batch_size {self.batch_size}"
+            )
+        return ResumeSetup(
+            seed=self.seed,
+            strategy=self.sampling_strategy,
+            pool_size=self.episode_pool_size,
+            byte_budget=self.byte_budget if self.meta.camera_keys else None,
+            world_size=self.world_size,
+            num_workers=num_workers,
+            batch_size=batch_size,
+            repeat=self.repeat,
+            selection=selection_digest(self.episodes, self.frames),
+        )
+
+    # --- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        epoch, samples, resume_batch, resume_workers = (int(v) for v in self._position)
+        if resume_batch and resume_workers != num_workers:
+            raise TopologyChanged(
+                f"the checkpoint was taken with {resume_workers} DataLoader worker(s), this "
+                f"DataLoader has {num_workers}"
+            )
+        shares = self._worker_shares(num_workers)
+        share_frames = [sum(self._frames_of[e] for e in s) for s in shares]
+        batch_size = resume_batch or self.batch_size or 1
+        positions = resume_positions(share_frames, batch_size, epoch=epoch, samples=samples,
+                                     repeat=self.repeat,
+                                     rank_batches=self._rank_batches(num_workers, batch_size))
+        logical = (worker + positions.rotation) % num_workers
+        if worker < MAX_TRACKED_WORKERS:
+            self._stats[worker].zero_()
+        limits = shard.split_limits(
+            num_workers, pool_size=self.episode_pool_size,
+            byte_budget=self.byte_budget if self.meta.camera_keys else None,
+            decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
+        return self._stream(shares[logical], logical, worker, limits, positions.epochs[logical],
+                            positions.offsets[logical], positions.stops[logical])
+
+    def _worker_shares(self, num_workers: int) -> list[list[int]]:
+        frames = [self._frames_of[e] for e in self.rank_episodes]
+        return shard.worker_shares(self.rank_episodes, frames, num_workers)
+
+    def _rank_batches(self, num_workers: int, batch_size: int) -> int | None:
+        """Batches per rank per epoch under the distributed end-of-epoch rule (None: all)."""
+        if self.repeat or self.world_size == 1:
+            return None
+        if self.batch_size is None:
+            raise UsageError(
+                f"world_size {self.world_size} without repeat: pass batch_size (the "
+                "DataLoader's) so every rank stops after the same number of batches, or use "
+                "repeat=True"
+            )
+        world = []
+        for rank in range(self.world_size):
+            ids = shard.rank_share(self.episodes, self.frames, rank, self.world_size)
+            shares = shard.worker_shares(ids, [self._frames_of[e] for e in ids], num_workers)
+            world.append([sum(self._frames_of[e] for e in s) for s in shares])
+        return epoch_batches(world, batch_size)
+
+    def _stream(self, share: list[int], logical: int, worker_id: int,
+                limits: shard.WorkerLimits, epoch: int, offset: int,
+                stop: int | None) -> Iterator[dict]:
+        stats = self._stats[worker_id] if worker_id < MAX_TRACKED_WORKERS else None
+        worker = _WorkerStream(self, share, limits, stats)
+        try:
+            while True:
+                planner = self._planner(share, logical, limits, epoch, worker.byte_sizes)
+                yield from worker.run(planner, offset, stop)
+                if not self.repeat:
+                    return
+                epoch, offset = epoch + 1, 0
+        finally:
+            worker.close()
+
+    def _planner(self, share: list[int], logical: int, limits: shard.WorkerLimits, epoch: int,
+                 byte_sizes: dict[int, int] | None) -> Planner:
+        return Planner(
+            share, [self._frames_of[e] for e in share], seed=self.seed, epoch=epoch,
+            rank=self.rank, worker=logical, strategy=self.sampling_strategy,
+            pool_size=limits.pool_size,
+            byte_sizes=None if byte_sizes is None else [byte_sizes[e] for e in share],
+            byte_budget=None if byte_sizes is None else limits.byte_budget,
+        )
+
+    # --- sidecar ------------------------------------------------------------------------------
+
+    def _video_relpaths(self) -> list[str]:
+        """Every video file of the complete dataset (the sidecar always covers all of them)."""
+        return sorted({self.meta.video_relpath(int(e), camera)
+                       for e in self.meta.episode_index for camera in self.meta.camera_keys})
+
+    def _ensure_index(self, source) -> str:
+        relpaths = self._video_relpaths()
+        identity = source.identity(relpaths[0]) if relpaths else ""
+        revision = identity.removeprefix("commit:") if identity.startswith("commit:") else None
+        root = self.root if "://" in self.root else os.path.abspath(self.root)
+        return str(ensure_index(source, relpaths, DatasetIdentity(root, revision)).compact_path)
+
+
+class _WorkerStream:
+    """One worker's resources and its streaming loop (runs in the worker process)."""
+
+    def __init__(self, dataset: StreamingDataset, share: list[int],
+                 limits: shard.WorkerLimits, stats: torch.Tensor | None) -> None:
+        self.ds = dataset
+        self.stats = stats
+        self.samples = 0
+        self.meta = dataset.meta
+        self.cameras = list(dataset.meta.camera_keys)
+        self.columns = list(dataset.meta.parquet_keys)
+        self.source = open_source(dataset.worker_root)
+        self.fetch_pool: ThreadPoolExecutor | None = None
+        self.decode_pool: ThreadPoolExecutor | None = None
+        self.decoders = DecoderCache(limits.decoder_cache)
+        self.budget: ByteBudget | None = None
+        self.byte_sizes: dict[int, int] | None = None
+        self.payloads: dict[int, Future[_Episode]] = {}
+        try:
+            self.spans: dict[tuple[int, str], tuple[synth.Span, object]] = {}
+            if self.cameras:
+                self._plan_spans(share)
+                self.budget = ByteBudget(limits.byte_budget)
+            self.fetch_pool = ThreadPoolExecutor(
+                max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
+                thread_name_prefix="refstream-fetch")
+            self.decode_pool = ThreadPoolExecutor(dataset.decode_threads,
+                                                  thread_name_prefix="refstream-decode")
+        except BaseException:
+            self.close()
+            raise
+
+    def _plan_spans(self, share: list[int]) -> None:
+        """Each (episode, camera) span of the share, and each episode's exact byte size."""
+        index = map_index(self.ds.index_path)
+        # A payload read later must come from the file as it was indexed (else PayloadChanged).
+        for entry in index.manifest["files"]:
+            if entry["fingerprint"]:
+                self.source.expect_identity(entry["relpath"], entry["fingerprint"])
+        self.byte_sizes = {}
+        for episode in share:
+            row = self.meta.row(episode)
+            # LeRobot's recorder writes timestamp = float32(frame_index / fps): the nominal
+            # request times, known before any row is read (checked against the rows later).
+            nominal_s = (np.arange(self.ds._frames_of[episode]) / self.meta.fps).astype(
+                np.float32).astype(np.float64)
+            total = 0
+            for camera in self.cameras:
+                sample_index = index[self.meta.video_relpath(episode, camera)]
+                span = synth.select_span(sample_index, *self._bounds_s(camera, row),
+                                         self.ds.tolerance_s,
+                                         self.meta.video_from_s[camera][row] + nominal_s)
+                self.spans[episode, camera] = (span, sample_index)
+                total += synth.synthesized_size(sample_index, span)
+            self.byte_sizes[episode] = total
+
+    def _bounds_s(self, camera: str, row: int) -> tuple[float, float]:
+        """The episode's [from, to) seconds in its video file of ``camera``."""
+        return float(self.meta.video_from_s[camera][row]), float(self.meta.video_to_s[camera][row])
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self, planner: Planner, offset: int, stop: int | None) -> Iterator[dict]:
+        """Yield the planner's samples from anchor ``offset`` up to ``stop`` (None: the end)."""
+        planner.skip(offset)
+        planner.drain_events()
+        remaining = planner.remaining if stop is None else max(0, stop - offset)
+        drained: set[int] = set()  # drained by the planner, samples still queued
+        in_flight: dict[int, int] = {}  # episode -> samples scheduled, not yet yielded
+        queue: deque[tuple[int, Future[dict]]] = deque()
+        to_admit = deque(planner.resident)
+        while True:
+            while remaining and len(queue) < self.ds.decoded_queue_size:
+                if to_admit and not self._admit(to_admit, wait=not queue):
+                    break  # the budget waits for leases that yielding samples will release
+                if to_admit:
+                    continue
+                episode, frame = next(planner)
+                remaining -= 1
+                admitted, evicted = planner.drain_events()
+                to_admit.extend(admitted)
+                drained.update(evicted)
+                in_flight[episode] = in_flight.get(episode, 0) + 1
+                queue.append((episode, self.decode_pool.submit(self._sample, episode, frame)))
+                self._prefetch(planner)
+            if not queue:
+                return
+            episode, future = queue.popleft()
+            item = future.result()
+            in_flight[episode] -= 1
+            if episode in drained and not in_flight[episode]:
+                self._forget(episode)
+                drained.discard(episode)
+            if self.ds.image_transforms is not None:
+                for camera in self.cameras:
+                    item[camera] = self.ds.image_transforms(item[camera])
+            self.samples += 1
+            self._publish()
+            yield item
+
+    def _publish(self) -> None:
+        """Write this worker's counters into the dataset's shared stats row."""
+        if self.stats is None:
+            return
+        fetched = self.source.stats()
+        budget = self.budget.snapshot() if self.budget is not None else None
+        values = {
+            "samples": self.samples,
+            "budget_bytes": budget.budget_bytes if budget else 0,
+            "peak_reserved_bytes": budget.peak_reserved_bytes if budget else 0,
+            "reserved_bytes": budget.reserved_bytes if budget else 0,
+            "evictions": budget.evictions if budget else 0,
+            "fetch_requests": fetched["requests"],
+            "fetch_bytes": fetched["bytes"],
+        }
+        self.stats.copy_(torch.tensor([values[name] for name in STAT_FIELDS]))
+
+    def _admit(self, to_admit: deque[int], wait: bool) -> bool:
+        """Reserve and lease the next admitted episode and start its fetch; False if it must
+        wait for a lease to be released first (only when ``wait`` is False)."""
+        episode = to_admit[0]
+        if self.budget is not None:
+            size = self.byte_sizes[episode]
+            if not self.budget.acquire(episode, size, timeout_s=None if wait else 0):
+                return False
+            self._drop_evicted()
+        to_admit.popleft()
+        self._start_fetch(episode)
+        return True
+
+    def _prefetch(self, planner: Planner) -> None:
+        """Reserve and fetch frontier episodes while they fit without evicting anything."""
+        frontier = planner.frontier(self.ds.prefetch_episodes)
+        for episode in frontier:
+            if episode in self.payloads:
+                continue
+            if self.budget is not None:
+                size = self.byte_sizes[episode]
+                if self.budget.reserved_bytes + size > self.budget.budget_bytes:
+                    break  # full: keep the frontier's order, retry after the next sample
+                self.budget.try_reserve(episode, size)
+            self._start_fetch(episode)
+        if self.budget is not None:
+            # The budget evicts least recently used first: touch the frontier from its far end
+            # so an admission that must evict drops the prefetch needed last, not next.
+            for episode in reversed(frontier):
+                if self.budget.is_reserved(episode):
+                    self.budget.try_reserve(episode, self.byte_sizes[episode])
+
+    def _start_fetch(self, episode: int) -> None:
+        if self.budget is None:
+            if episode not in self.payloads:
+                self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
+            return
+        if self.budget.claim_fetch(episode):
+            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
+
+    def _drop_evicted(self) -> None:
+        for episode in self.budget.take_evicted():
+            self.payloads.pop(episode, None)
+            for camera in self.cameras:
+                self.decoders.discard((episode, camera))
+
+    def _forget(self, episode: int) -> None:
+        """The episode is drained and its last sample yielded: free its bytes and decoders."""
+        self.payloads.pop(episode, None)
+        for camera in self.cameras:
+            self.decoders.discard((episode, camera))
+        if self.budget is not None:
+            self.budget.release(episode)
+            self.budget.forget(episode)
+
+    # --- fetch threads ------------------------------------------------------------------------
+
+    def _fetch(self, episode: int) -> _Episode:
+        try:
+            relpath = self.meta.data_relpath(episode)
+            table = read_episode_rows(self.source, relpath, episode,
+                                      self.ds._frames_of[episode], self.columns)
+            rows = {name: _column_array(table[name], relpath, episode, name)
+                    for name in self.columns}
+            videos = {}
+            for camera in self.cameras:
+                span, sample_index = self.spans[episode, camera]
+                self._check_span(episode, camera, span, sample_index, rows["timestamp"])
+                payload = self.source.read_range(self.meta.video_relpath(episode, camera),
+                                                 span.byte_offset, span.byte_length)
+                mp4 = synth.synthesize(sample_index, span, payload)
+                if self.budget is not None:
+                    self.budget.mark_resident(episode, len(mp4))
+                videos[camera] = _Video(mp4, span.start_pts / sample_index.timescale)
+            return _Episode(rows, videos)
+        finally:
+            if self.budget is not None:
+                self.budget.mark_fetched(episode)
+
+    def _check_span(self, episode: int, camera: str, span: synth.Span, sample_index,
+                    timestamps: np.ndarray) -> None:
+        """The exact request times (``from`` + the timestamp column) must need no sample
+        outside the span sized from the nominal times (else the budget would be wrong)."""
+        row = self.meta.row(episode)
+        from_s, to_s = self._bounds_s(camera, row)
+        exact = synth.select_span(sample_index, from_s, to_s, self.ds.tolerance_s,
+                                  from_s + timestamps.astype(np.float64))
+        if exact.sample_lo < span.sample_lo or exact.sample_hi > span.sample_hi:
+            raise TableError(
+                f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
+                f"samples {exact.sample_lo}..{exact.sample_hi} of {sample_index.path}, outside "
+                f"samples {span.sample_lo}..{span.sample_hi} planned from timestamps "
+                f"frame_index / fps ({camera})"
+            )
+
+    # --- decode threads -----------------------------------------------------------------------
+
+    def _sample(self, episode: int, frame: int) -> dict:
+        """The map-style item of ``frame`` of ``episode`` (waits for the episode's fetch)."""
+        data = self.payloads[episode].result()
+        length = self.ds._frames_of[episode]
+        item: dict = {}
+        for key in self.columns:
+            values = data.rows[key]
+            offsets = self.ds.windows.offsets.get(key)
+            if offsets is None:
+                item[key] = _value(values[frame])
+            else:
+                rows, is_pad = window_rows(offsets, frame, length)
+                item[key] = _value(values[rows])
+                item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
+        row = self.meta.row(episode)
+        timestamps = data.rows["timestamp"]
+        for camera in self.cameras:
+            offsets = self.ds.windows.offsets.get(camera)
+            if offsets is None:
+                rows = np.array([frame])
+            else:
+                rows, is_pad = window_rows(offsets, frame, length)
+                item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
+            # LeRobot's query times: the timestamp column at the rows, shifted into the file.
+            query_s = float(self.meta.video_from_s[camera][row]) + timestamps[rows].astype(
+                np.float64)
+            video = data.videos[camera]
+            frames = self.decoders.frames_at((episode, camera), video.mp4,
+                                             query_s - video.start_s, self.ds.tolerance_s)
+            pixels = torch.from_numpy(frames if self.ds.return_uint8 else to_float_chw(frames))
+            item[camera] = pixels[0] if len(rows) == 1 else pixels  # LeRobot's squeeze(0)
+        task_index = int(data.rows["task_index"][frame])
+        item["task"] = self.meta.tasks[task_index]
+        _check_anchor(item, episode, frame, int(self.meta.from_index[row]))
+        return item
+
+    # --- cleanup ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._publish()
+        if self.budget is not None:
+            self.budget.close()
+        if self.fetch_pool is not None:
+            self.fetch_pool.shutdown(wait=True, cancel_futures=True)
+        if self.decode_pool is not None:
+            self.decode_pool.shutdown(wait=True, cancel_futures=True)
+        self.payloads.clear()
+        self.decoders.close()
+        self.source.close()
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def _value(values: np.ndarray) -> torch.Tensor | object:
+    """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
+    Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
+    array = np.asarray(values)
+    if array.dtype.kind == "f":
+        array = array.astype(np.float32)
+    elif array.dtype.kind in "iu":
+        array = array.astype(np.int64)
+    elif array.dtype.kind != "b":
+        return array.tolist()
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def _column_array(column: pa.ChunkedArray, relpath: str, episode: int,
+                  name: str) -> np.ndarray:
+    """One Parquet column as a numpy array with one entry per row; fixed-size lists (nested or
+    not) become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``."""
+    if column.null_count:
+        raise TableError(f"{relpath}: episode {episode}: column {name!r} has nulls")
+    array = column.combine_chunks()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        # Variable-length lists whose rows all have one length (how some writers store vectors).
+        values = np.array(array.to_pylist())
+        if values.dtype == object:
+            raise TableError(f"{relpath}: episode {episode}: column {name!r} is ragged")
+        return values.reshape(shape + list(values.shape[1:]))
+    try:
+        values = array.to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, ValueError) as exc:
+        raise TableError(f"{relpath}: episode {episode}: column {name!r} of type {column.type} "
+                         "has no numeric form") from exc
+    return values.reshape(shape)
+
+
+def _check_anchor(item: dict, episode: int, frame: int, first_index: int) -> None:
+    if "episode_index" in item and int(item["episode_index"]) != episode:
+        raise TableError(f"episode {episode} frame {frame}: row has episode_index "
+                         f"{int(item['episode_index'])}")
+    if "index" in item and int(item["index"]) != first_index + frame:
+        raise TableError(f"episode {episode} frame {frame}: row has index {int(item['index'])}, "
+                         f"expected {first_index + frame}")
+
+
+def _pinned_root(root: str, identity: str) -> str:
+    """``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` with ``REV`` replaced by the commit in
+    ``identity`` (``commit:<sha>``); any other root unchanged."""
+    if not root.startswith("hf://datasets/") or not identity.startswith("commit:"):
+        return root
+    owner, name, *prefix = root.removeprefix("hf://datasets/").split("/", 2)
+    pinned = f"hf://datasets/{owner}/{name.partition('@')[0]}@{identity.removeprefix('commit:')}"
+    return "/".join([pinned, *prefix])
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Arguments, else an initialised torch.distributed, else RANK/WORLD_SIZE, else 0/1."""
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is not in a world of size {world_size}")
+    return rank, world_size
+
+
+def _check_settings(seed, strategy, prefetch_episodes, byte_budget_gb, decode_threads,
+                    decoded_queue_size, batch_size) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise UsageError(f"seed must be a non-negative integer or None, got {seed!r}")
+    if strategy not in STRATEGIES:
+        raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if prefetch_episodes < 0:
+        raise UsageError(f"prefetch_episodes must be non-negative, got {prefetch_episodes}")
+    if not byte_budget_gb > 0:
+        raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
+    if decode_threads < 1:
+        raise UsageError(f"decode_threads must be positive, got {decode_threads}")
+    if decoded_queue_size < 1:
+        raise UsageError(f"decoded_queue_size must be positive, got {decoded_queue_size}")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"batch_size must be positive, got {batch_size}")

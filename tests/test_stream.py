@@ -1,0 +1,431 @@
+"""StreamingDataset end to end, against an independent map-style reference.
+
+The reference reads the data Parquet files with pyarrow and decodes every video file whole with
+PyAV, then applies LeRobot's documented map-style rules (clamped windows, ``*_is_pad``, query
+time = ``from_timestamp`` + the ``timestamp`` column at the window rows, nearest frame within
+tolerance). Nothing of refstream is used to build it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from refstream.demo import read_frame_label, serve_directory, write_demo_dataset
+from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
+from refstream.stream import GIB, StreamingDataset
+
+FPS = 30
+TOLERANCE_S = 1e-4
+SIZES = {"observation.images.front": (64, 48), "observation.images.wrist": (96, 64)}
+LENGTHS = (9, 14, 6, 12, 10, 7)
+WINDOWS = {
+    "observation.images.front": [-2 / FPS, 0.0],
+    "observation.images.wrist": [0.0, 1 / FPS],
+    "observation.state": [-1 / FPS, 0.0],
+    "action": [0.0, 1 / FPS, 2 / FPS, 3 / FPS],
+}
+
+
+@pytest.fixture(autouse=True)
+def _sidecar_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module", params=["av1", "h264"])
+def dataset_root(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"stream_{request.param}")
+    options = {"codec": "libx264", "gop": 30, "bframes": 2} if request.param == "h264" else {}
+    write_demo_dataset(root, episode_lengths=LENGTHS, size=SIZES, episodes_per_video_file=4,
+                       episodes_per_data_file=4, **options)
+    return root
+
+
+# --- the independent reference ------------------------------------------------------------
+
+
+class Reference:
+    """LeRobot's map-style items, from pyarrow and whole-file PyAV decoding."""
+
+    def __init__(self, root: Path, windows: dict | None) -> None:
+        self.windows = windows or {}
+        episodes = pq.read_table(root / "meta/episodes/chunk-000/file-000.parquet").to_pydict()
+        self.episodes = episodes
+        tasks = pq.read_table(root / "meta/tasks.parquet").to_pydict()
+        self.tasks = dict(zip(tasks["task_index"], tasks["task"], strict=True))
+        self.rows: dict[int, dict[str, np.ndarray]] = {}
+        for path in sorted((root / "data").rglob("*.parquet")):
+            table = pq.read_table(path).to_pydict()
+            for e in sorted(set(table["episode_index"])):
+                mask = np.array(table["episode_index"]) == e
+                self.rows[e] = {k: np.array(v)[mask] for k, v in table.items()}
+        self.frames: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        self.cameras = [k[len("videos/"):-len("/chunk_index")] for k in episodes
+                        if k.startswith("videos/") and k.endswith("/chunk_index")]
+        for camera in self.cameras:
+            for path in sorted((root / "videos" / camera).rglob("*.mp4")):
+                with av.open(str(path)) as container:
+                    decoded = {}
+                    for frame in container.decode(video=0):
+                        decoded[float(frame.pts * frame.time_base)] = frame.to_ndarray(
+                            format="rgb24").transpose(2, 0, 1)
+                self.frames[camera, path.name] = decoded
+
+    def item(self, episode: int, frame: int) -> dict:
+        rows = self.rows[episode]
+        length = len(rows["frame_index"])
+        out = {}
+        for key, values in rows.items():
+            if key in self.windows:
+                target = frame + np.array([round(d * FPS) for d in self.windows[key]])
+                out[key] = values[np.clip(target, 0, length - 1)]
+                out[f"{key}_is_pad"] = (target < 0) | (target >= length)
+            else:
+                out[key] = values[frame]
+        for camera in self.cameras:
+            if camera in self.windows:
+                target = frame + np.array([round(d * FPS) for d in self.windows[camera]])
+                out[f"{camera}_is_pad"] = (target < 0) | (target >= length)
+                idx = np.clip(target, 0, length - 1)
+            else:
+                idx = np.array([frame])
+            file_index = self.episodes[f"videos/{camera}/file_index"][episode]
+            decoded = self.frames[camera, f"file-{file_index:03d}.mp4"]
+            times = np.array(sorted(decoded))
+            pictures = []
+            for t in rows["timestamp"][idx]:
+                query = self.episodes[f"videos/{camera}/from_timestamp"][episode] + float(t)
+                nearest = times[np.argmin(np.abs(times - query))]
+                assert abs(nearest - query) <= TOLERANCE_S
+                pictures.append(decoded[nearest])
+            stacked = np.stack(pictures).astype(np.float32) / 255
+            out[camera] = stacked[0] if len(idx) == 1 else stacked
+        out["task"] = self.tasks[int(rows["task_index"][frame])]
+        return out
+
+
+def _expected_dtype(value) -> torch.dtype:
+    kind = np.asarray(value).dtype.kind
+    return {"f": torch.float32, "i": torch.int64, "u": torch.int64, "b": torch.bool}[kind]
+
+
+def assert_item_equal(item: dict, expected: dict) -> None:
+    assert item.keys() == expected.keys()
+    for key, value in expected.items():
+        if key == "task":
+            assert item[key] == value
+            continue
+        got = item[key]
+        assert isinstance(got, torch.Tensor), key
+        assert got.dtype == _expected_dtype(value), (key, got.dtype)
+        assert tuple(got.shape) == np.shape(value), (key, got.shape, np.shape(value))
+        want = torch.from_numpy(np.asarray(value).astype(got.numpy().dtype))
+        assert torch.equal(got, want), key
+
+
+def _items(dataset, num_workers: int, **loader_options) -> list[dict]:
+    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **loader_options)
+    return list(loader)
+
+
+def _labels(batches) -> list[list[tuple[int, int]]]:
+    return [list(zip(b["episode_index"].tolist(), b["frame_index"].tolist(), strict=True))
+            for b in batches]
+
+
+# --- coverage and equality ----------------------------------------------------------------
+
+
+def test_two_workers_local_equal_reference(dataset_root):
+    reference = Reference(dataset_root, WINDOWS)
+    dataset = StreamingDataset(dataset_root, delta_timestamps=WINDOWS, seed=3,
+                               episode_pool_size=2, prefetch_episodes=2)
+    items = _items(dataset, num_workers=2)
+    seen = [(int(i["episode_index"]), int(i["frame_index"])) for i in items]
+    assert sorted(seen) == [(e, f) for e, n in enumerate(LENGTHS) for f in range(n)]
+    for item, (e, f) in zip(items, seen, strict=True):
+        assert_item_equal(item, reference.item(e, f))
+        # The labels drawn into the pixels agree with the rows (lossy coding tolerated).
+        anchor = item["observation.images.wrist"][0]
+        assert read_frame_label((anchor * 255).round().to(torch.uint8).numpy()) == (e, f)
+
+
+def test_loopback_http_one_range_per_span(dataset_root):
+    with serve_directory(dataset_root) as server:
+        dataset = StreamingDataset(server.url, seed=5, return_uint8=True,
+                                   episode_pool_size=3)
+        setup = len(server.log)
+        items = _items(dataset, num_workers=2)
+        log = server.log[setup:]
+    reference = Reference(dataset_root, None)
+    seen = Counter((int(i["episode_index"]), int(i["frame_index"])) for i in items)
+    assert set(seen.values()) == {1} and len(seen) == sum(LENGTHS)
+    for item in items:
+        e, f = int(item["episode_index"]), int(item["frame_index"])
+        expected = reference.item(e, f)
+        for camera in SIZES:
+            assert item[camera].dtype == torch.uint8
+            want = torch.from_numpy((expected[camera] * 255).round().astype(np.uint8))
+            assert torch.equal(item[camera], want)
+    video = [(path, rng) for method, path, rng, _ in log if path.endswith(".mp4")]
+    assert all(rng is not None for _, rng in video)
+    for path, rng in video:  # a span, never the whole video file
+        first, last = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+        assert last - first + 1 < (dataset_root / path.lstrip("/")).stat().st_size / 2
+    assert len(video) == len(LENGTHS) * len(SIZES)  # one range per (episode, camera)
+    assert len(set(video)) == len(video)
+
+
+def test_nginx_ranges_are_spans_and_parquet_reads(dataset_root):
+    from nginx import NginxServer
+
+    reference = Reference(dataset_root, WINDOWS)
+    with NginxServer(dataset_root) as server:
+        dataset = StreamingDataset(server.url, delta_timestamps=WINDOWS, seed=6,
+                                   episode_pool_size=2)
+        setup = len(server.access_log())
+        items = _items(dataset, num_workers=2)
+        log = server.access_log()[setup:]
+    seen = sorted((int(i["episode_index"]), int(i["frame_index"])) for i in items)
+    assert seen == [(e, f) for e, n in enumerate(LENGTHS) for f in range(n)]
+    for item in items:
+        assert_item_equal(item, reference.item(int(item["episode_index"]),
+                                               int(item["frame_index"])))
+    video = [r for r in log if r.path.endswith(".mp4")]
+    assert all(r.range is not None and r.status == 206 for r in video)
+    assert len(video) == len(LENGTHS) * len(SIZES)
+    for record in video:
+        assert record.body_bytes < (dataset_root / record.path.lstrip("/")).stat().st_size / 2
+    others = [r for r in log if not r.path.endswith(".mp4")]
+    assert all(r.path.startswith("/data/") and r.path.endswith(".parquet") for r in others)
+    assert all(w["peak_reserved_bytes"] <= w["budget_bytes"] for w in dataset.worker_stats())
+
+
+def test_main_process_equals_one_worker_and_order_is_deterministic(dataset_root):
+    def order(num_workers):
+        dataset = StreamingDataset(dataset_root, seed=11, episode_pool_size=2,
+                                   decode_threads=3, return_uint8=True)
+        return [(int(i["episode_index"]), int(i["frame_index"]))
+                for i in _items(dataset, num_workers)]
+
+    in_process = order(0)
+    assert in_process == order(1)
+    assert in_process != sorted(in_process)  # shuffled
+
+
+def test_budget_is_respected_and_sampled(dataset_root):
+    files = list((dataset_root / "videos").rglob("*.mp4"))
+    budget = sum(p.stat().st_size for p in files) // 2  # about three episodes of six
+    dataset = StreamingDataset(dataset_root, seed=1, byte_budget_gb=budget / GIB,
+                               prefetch_episodes=4, return_uint8=True)
+    items = _items(dataset, num_workers=0)
+    assert len(items) == sum(LENGTHS)
+    (stats,) = dataset.worker_stats()
+    assert stats["samples"] == sum(LENGTHS)
+    assert budget // 2 < stats["peak_reserved_bytes"] <= stats["budget_bytes"] == budget
+
+
+def test_episode_larger_than_budget_fails_before_any_fetch(dataset_root):
+    with serve_directory(dataset_root) as server:
+        dataset = StreamingDataset(server.url, byte_budget_gb=1000 / GIB)
+        setup = len(server.log)
+        with pytest.raises(EpisodeTooLarge, match="byte budget"):
+            _items(dataset, num_workers=0)
+        assert server.log[setup:] == []
+
+
+# --- threads, transforms, errors, early exit ----------------------------------------------
+
+
+def test_transforms_run_on_the_yielding_thread_in_order(dataset_root):
+    calls = []
+
+    def transform(frames):
+        calls.append(threading.current_thread())
+        return frames * 0 + len(calls)
+
+    dataset = StreamingDataset(dataset_root, seed=2, decode_threads=4, decoded_queue_size=6,
+                               image_transforms=transform)
+    items = list(dataset)
+    assert set(calls) == {threading.current_thread()}
+    # Two cameras per sample, transformed in planner order: the k-th sample saw calls 2k+1, 2k+2.
+    for k, item in enumerate(items):
+        assert float(item["observation.images.front"].flatten()[0]) == 2 * k + 1
+        assert float(item["observation.images.wrist"].flatten()[0]) == 2 * k + 2
+
+
+def test_early_exit_closes_threads(dataset_root):
+    before = threading.active_count()
+    dataset = StreamingDataset(dataset_root, seed=4, decode_threads=3)
+    iterator = iter(dataset)
+    next(iterator)
+    assert threading.active_count() > before
+    iterator.close()
+    assert threading.active_count() == before
+
+
+def test_error_in_fetch_thread_reaches_consumer(dataset_root, tmp_path):
+    broken = tmp_path / "broken"
+    for path in dataset_root.rglob("*"):
+        if path.is_file():
+            target = broken / path.relative_to(dataset_root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    data = sorted((broken / "data").rglob("*.parquet"))[0]
+    data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # cut in half
+    dataset = StreamingDataset(broken, seed=0, decode_threads=2)
+    before = threading.active_count()
+    # Iterated in this process: a DataLoader worker forwards the same exception, but torch then
+    # keeps its iterator in a reference cycle until garbage collection, which stalls 5 s a worker.
+    with pytest.raises(TableError, match="Parquet") as info:
+        list(dataset)
+    assert "file-000.parquet" in str(info.value)
+    assert info.value.__cause__ is not None  # pyarrow's own error, chained
+    assert threading.active_count() == before  # every thread of the stream was shut down
+
+
+def test_timestamps_outside_the_planned_span_are_refused(dataset_root, tmp_path):
+    import pyarrow as pa
+
+    moved = tmp_path / "moved"
+    for path in dataset_root.rglob("*"):
+        if path.is_file():
+            target = moved / path.relative_to(dataset_root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    data = moved / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(data)
+    timestamps = table["timestamp"].to_numpy().copy()
+    # Episode 0's last row asks for the frame two steps later: episode 1's second frame.
+    timestamps[LENGTHS[0] - 1] += np.float32(2 / FPS)
+    column = table.schema.get_field_index("timestamp")
+    pq.write_table(table.set_column(column, "timestamp", pa.array(timestamps)), data)
+    dataset = StreamingDataset(moved, episodes=[0], seed=0)
+    with pytest.raises(TableError, match="episode 0: its timestamps need samples"):
+        list(dataset)
+
+
+def test_settings_are_checked(dataset_root):
+    with pytest.raises(UsageError):
+        StreamingDataset(dataset_root, sampling_strategy="random")
+    with pytest.raises(UsageError):
+        StreamingDataset(dataset_root, decode_threads=0)
+    with pytest.raises(UsageError):
+        StreamingDataset(dataset_root, rank=2, world_size=2)
+    dataset = StreamingDataset(dataset_root, rank=0, world_size=2)
+    with pytest.raises(UsageError, match="batch_size"):
+        next(iter(dataset))
+
+
+def test_rank_from_environment(dataset_root, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    dataset = StreamingDataset(dataset_root, repeat=True)
+    assert (dataset.rank, dataset.world_size) == (1, 3)
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+RESUME_LENGTHS = (5, 8, 3, 7, 6, 4, 9)
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def resume_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("resume")
+    write_demo_dataset(root, episode_lengths=RESUME_LENGTHS, cameras=("observation.images.front",),
+                       size=(32, 24), episodes_per_video_file=4, episodes_per_data_file=7)
+    return root
+
+
+def _batches(dataset, num_workers: int, limit: int | None) -> list[list[tuple[int, int]]]:
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=num_workers)
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if limit is not None and len(out) == limit:
+            break
+    return _labels(out)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("strategy", ["pool", "round_robin"])
+@pytest.mark.parametrize("repeat", [False, True])
+def test_resume_yields_the_uninterrupted_remainder(resume_root, num_workers, strategy, repeat):
+    options = {"seed": 7, "sampling_strategy": strategy, "episode_pool_size": 2,
+               "repeat": repeat, "return_uint8": True}
+    total = sum(RESUME_LENGTHS)
+    # With repeat, cover a bit more than one epoch so batches straddle the epoch boundary.
+    horizon = (total * 3 // 2) // BATCH if repeat else None
+    full = _batches(StreamingDataset(resume_root, **options), num_workers, horizon)
+    if not repeat:
+        assert sorted(x for b in full for x in b) == sorted(
+            (e, f) for e, n in enumerate(RESUME_LENGTHS) for f in range(n))
+    for stop in (1, len(full) // 2, len(full) - 1):
+        first = StreamingDataset(resume_root, **options)
+        assert _batches(first, num_workers, stop) == full[:stop]
+        state = first.state_dict(stop * BATCH, batch_size=BATCH, num_workers=num_workers)
+        resumed = StreamingDataset(resume_root, **options)
+        resumed.load_state_dict(state)
+        rest = _batches(resumed, num_workers, None if horizon is None else horizon - stop)
+        assert rest == full[stop:], (stop, state)
+
+
+def test_resume_refuses_another_topology(resume_root):
+    dataset = StreamingDataset(resume_root, seed=7)
+    state = dataset.state_dict(8, batch_size=BATCH, num_workers=2)
+    with pytest.raises(TopologyChanged, match="seed"):
+        StreamingDataset(resume_root, seed=8).load_state_dict(state)
+    other = StreamingDataset(resume_root, seed=7)
+    other.load_state_dict(state)
+    with pytest.raises(TopologyChanged, match="worker"):
+        _batches(other, 0, None)
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+def test_set_epoch_changes_order_and_reaches_persistent_workers(resume_root):
+    dataset = StreamingDataset(resume_root, seed=7, return_uint8=True)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=2, persistent_workers=True,
+                        pin_memory=True)
+    epoch0 = _labels(list(loader))
+    dataset.set_epoch(1)
+    epoch1 = _labels(list(loader))
+    dataset.set_epoch(0)
+    again = _labels(list(loader))
+    assert epoch0 == again != epoch1
+    assert sorted(x for b in epoch1 for x in b) == sorted(x for b in epoch0 for x in b)
+
+
+def test_stream_command_summary(dataset_root, capsys):
+    import json
+
+    from refstream.cli import main
+
+    windows = json.dumps({"action": [0.0, 1 / FPS]})
+    assert main(["stream", str(dataset_root), "--episodes", "1,3", "--num-workers", "2",
+                 "--batch-size", "4", "--epochs", "2", "--delta-timestamps", windows,
+                 "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["episodes"] == 2 and summary["frames"] == LENGTHS[1] + LENGTHS[3]
+    assert summary["samples"] == 2 * summary["frames"]
+    assert summary["fetch_requests"] > 0
+    assert main(["stream", str(dataset_root), "--episodes", "99", "--no-progress"]) == 2
+
+
+def test_hub_roots_are_pinned_to_the_commit_for_workers():
+    from refstream.stream import _pinned_root
+
+    sha = "a" * 40
+    assert _pinned_root("hf://datasets/o/n", f"commit:{sha}") == f"hf://datasets/o/n@{sha}"
+    assert _pinned_root("hf://datasets/o/n@main/sub/dir", f"commit:{sha}") == (
+        f"hf://datasets/o/n@{sha}/sub/dir")
+    assert _pinned_root("http://host/data", 'etag:"x"') == "http://host/data"
