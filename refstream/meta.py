@@ -13,7 +13,7 @@ the dataset root. No listing is needed: every file name is derived from ``meta/i
 source refuses unsafe paths with :func:`check_relpath` and reports a missing file as
 :class:`MalformedDataset` naming it (remote sources live in ``fetch.py``).
 
-What is read, in order (the normative rules are in ``spec/parts/40-metadata.md``):
+What is read, in order (the normative rules are in ``spec/SPEC.md`` §4):
 
 1. ``meta/info.json`` — ``codebase_version`` must be ``"v3.0"`` and ``storage_format`` absent or
    ``"parquet"``; anything else is :class:`UnsupportedDataset` saying what the dataset is. Then
@@ -531,7 +531,7 @@ def conformance_meta(case: dict) -> dict:
     ``{"json": value}``, ``{"text": str}`` or
     ``{"parquet": {column: {"type": T, "values": [...]}}}`` with T one of
     :data:`CASE_COLUMN_TYPES` (written as one Parquet file with one row group). The answer lists
-    the loaded metadata per episode (see ``spec/parts/40-metadata.md``) and, when ``select`` is
+    the loaded metadata per episode (see ``spec/SPEC.md`` §4) and, when ``select`` is
     present, ``selection``.
     """
     meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))

@@ -10,7 +10,7 @@ stream layer follows it. Use::
     admitted, evicted = planner.drain_events()
     for episode, frame in planner: ...        # planner.resident, planner.frontier(k) meanwhile
 
-The rules (normative text: ``spec/parts/30-planner.md``):
+The rules (normative text: ``spec/SPEC.md`` §3):
 
 * Episodes with zero frames are dropped. The rest wait in the *admission order*, the keyed
   permutation of their ids with key ``(seed, epoch, "admit")``.

@@ -21,7 +21,7 @@ generators. Everything random is a pure function of a *key* and an *index*, buil
 
 ``u64_array`` and ``permutation`` are vectorised with numpy ``uint64`` arithmetic (which wraps
 modulo 2⁶⁴ like the definition); ``u64`` and ``below`` are the plain-integer forms. The exact
-label encoding is in ``spec/parts/10-rng.md``.
+label encoding is in ``spec/SPEC.md`` §1.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Usage::
     # rows == [28, 29, 29], is_pad == [False, False, True]
 
 This is LeRobot's map-style rule restated on episode-local rows (the normative text is
-``spec/parts/50-windows.md``):
+``spec/SPEC.md`` §5):
 
 * every delta ``d`` (seconds) must satisfy ``|d·fps − round(d·fps)| / fps ≤ tolerance_s``,
   computed in IEEE-754 double precision, else :class:`UsageError` naming the key and the value;

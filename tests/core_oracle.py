@@ -1,6 +1,6 @@
 """Independent, deliberately plain re-implementations of the spec's RNG, sharding, planner and
 DataLoader batch order — the oracles the core tests and the rng/shard/plan/resume fixtures are
-checked against. Written from ``spec/parts/{10-rng,20-sharding,30-planner}.md``, sharing no code
+checked against. Written from ``spec/SPEC.md`` §1–§3, sharing no code
 with ``refstream``: Python integers only, lists instead of heaps and deques, whole simulations.
 
 ``python3 tests/core_oracle.py`` (re)writes the fixtures of those areas from these oracles.

@@ -4,7 +4,7 @@ Run ``PYTHONPATH=. python3 tests/make_meta_windows_fixtures.py`` from the reposi
 Expected values come from the oracles in the test modules, never from refstream: ``windows``
 answers from the brute-force map-style oracle (``tests/test_windows.py: oracle_answer``), valid
 ``meta`` answers from the plain-JSON derivation (``tests/test_meta.py: derive_meta_answer``);
-expected errors are written by hand below, one per rule of ``spec/parts/40-metadata.md``. The
+expected errors are written by hand below, one per rule of ``spec/SPEC.md`` §4. The
 tests re-derive every windows answer and every valid meta answer, so such a fixture edited by
 hand without its oracle fails.
 """
