@@ -225,6 +225,9 @@ def _encode_episode(pictures: Sequence[np.ndarray], fps: int, options: dict[str,
     """One episode as its own MP4 in memory (LeRobot encodes each episode, then concatenates)."""
     import av
 
+    # SVT-AV1 prints a banner and its whole configuration to stderr for every encoder it opens;
+    # level 1 keeps its errors only.
+    os.environ.setdefault("SVT_LOG", "1")
     buffer = io.BytesIO()
     with keep_scheduling(), av.open(buffer, "w", format="mp4") as container:
         stream = container.add_stream(codec, rate=fps, options=options)
