@@ -7,12 +7,22 @@ work itself lives in the module that owns it, so this file only parses arguments
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from refstream.errors import RefstreamError
 
 # Sub-commands register here as (add_parser_function) in the order the help lists them.
 COMMANDS: list = []
+
+
+def _print_summary(summary: dict, as_json: bool) -> None:
+    """A command's summary: one JSON object, or one ``key: value`` line per entry."""
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key}: {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +110,6 @@ def add_stream(subparsers) -> None:
 
 
 def run_stream(args) -> int:
-    import json
 
     from refstream.demo import consume
     from refstream.errors import UsageError
@@ -131,11 +140,7 @@ def run_stream(args) -> int:
         "peak_reserved_bytes_per_worker": m.peak_reserved_bytes,
         "budget_bytes_per_worker": m.budget_bytes,
     }
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            print(f"{key}: {value}")
+    _print_summary(summary, args.json)
     return 0
 
 
@@ -159,7 +164,6 @@ def add_plan(subparsers) -> None:
 
 
 def run_plan(args) -> int:
-    import json
 
     from refstream.errors import UsageError
     from refstream.meta import LocalSource, load_meta, select_episodes
@@ -208,7 +212,6 @@ def add_index(subparsers) -> None:
 
 
 def run_index(args) -> int:
-    import json
 
     from refstream import sidecar
     from refstream.fetch import open_source
@@ -233,11 +236,7 @@ def run_index(args) -> int:
     }
     if args.output:
         summary["output"] = str(sidecar.export_npz(location, args.output))
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            print(f"{key}: {value}")
+    _print_summary(summary, args.json)
     return 0
 
 
@@ -255,7 +254,6 @@ def add_inspect(subparsers) -> None:
 
 
 def run_inspect(args) -> int:
-    import json
     import os
 
     from refstream.errors import UsageError
@@ -311,7 +309,6 @@ def add_doctor(subparsers) -> None:
 
 
 def run_doctor(args) -> int:
-    import json
 
     from refstream.doctor import check_dataset
     from refstream.fetch import open_source
@@ -346,7 +343,6 @@ def add_bench(subparsers) -> None:
 
 
 def run_bench(args) -> int:
-    import json
 
     from refstream.bench import BenchConfig, plot
     from refstream.bench import run_bench as bench
