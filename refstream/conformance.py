@@ -59,9 +59,9 @@ ADAPTERS: dict[str, str] = {
     "budget_ops": "refstream.budget:conformance_budget_ops",
     "frame_select": "refstream.decode:conformance_frame_select",
     "sidecar_storage": "refstream.sidecar:conformance_sidecar_storage",
-    "mp4_index": "refstream.mp4:conformance_mp4_index",
-    "span": "refstream.synth:conformance_span",
-    "synth": "refstream.synth:conformance_synth",
+    "mp4_index": "refstream.conformance:conformance_mp4_index",
+    "span": "refstream.conformance:conformance_span",
+    "synth": "refstream.conformance:conformance_synth",
     "doctor_tiling": "refstream.doctor:conformance_doctor_tiling",
     "doctor_requests": "refstream.doctor:conformance_doctor_requests",
 }
@@ -174,6 +174,69 @@ def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case],
 def run(cases: list[Case], ask: Callable[[Case], dict]) -> Iterator[Outcome]:
     for case in cases:
         yield Outcome(case, first_difference(case.expected, ask(case)))
+
+
+# --- adapters for the kinds that read media -----------------------------------------------
+# The MP4 core (mp4.py, synth.py) never touches the file system; these adapters read the media
+# file a case names, relative to the working directory (the protocol runs implementations inside
+# the fixtures folder), else to the fixtures shipped with refstream.
+
+
+def media_path(relpath: str) -> Path:
+    here = Path(relpath)
+    return here if here.exists() else FIXTURES_DIR / relpath
+
+
+def _media_index(case_input: dict):
+    from refstream.mp4 import parse_index_bytes
+
+    return parse_index_bytes(media_path(case_input["file"]).read_bytes(), case_input["file"])
+
+
+def conformance_mp4_index(case_input: dict) -> dict:
+    """Kind ``mp4_index``: ``{file}`` → the index arrays in decode order."""
+    index = _media_index(case_input)
+    return {
+        "codec": index.codec, "width": index.width, "height": index.height,
+        "track_id": index.track_id, "timescale": index.timescale,
+        "pts": index.pts.tolist(), "dts": index.dts.tolist(),
+        "duration": index.duration.tolist(), "size": index.size.tolist(),
+        "offset": index.offset.tolist(), "keyframe": index.keyframe.tolist(),
+    }  # fmt: skip
+
+
+def conformance_span(case_input: dict) -> dict:
+    """Kind ``span``: ``{file, from_s, to_s, tolerance_s[, request_times_s]}`` → the span."""
+    import numpy as np
+
+    from refstream.synth import select_span
+
+    index = _media_index(case_input)
+    times = case_input.get("request_times_s")
+    request_times_s = None if times is None else np.asarray(times, float)
+    span = select_span(index, case_input["from_s"], case_input["to_s"],
+                       case_input["tolerance_s"], request_times_s)  # fmt: skip
+    return {"sample_lo": span.sample_lo, "sample_hi": span.sample_hi,
+            "byte_offset": span.byte_offset, "byte_length": span.byte_length,
+            "start_pts": span.start_pts}  # fmt: skip
+
+
+def conformance_synth(case_input: dict) -> dict:
+    """Kind ``synth``: ``{file, sample_lo, sample_hi}`` → synthesized size and SHA-256."""
+    import hashlib
+
+    from refstream.synth import Span, synthesize, synthesized_size
+
+    index = _media_index(case_input)
+    lo, hi = case_input["sample_lo"], case_input["sample_hi"]
+    begin = int(index.offset[lo : hi + 1].min())
+    end = int((index.offset[lo : hi + 1] + index.size[lo : hi + 1]).max())
+    span = Span(lo, hi, begin, end - begin, int(index.pts[lo]))
+    with open(media_path(case_input["file"]), "rb") as f:
+        f.seek(begin)
+        data = synthesize(index, span, f.read(end - begin))
+    return {"synthesized_size": synthesized_size(index, span), "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
 def main_adapter() -> int:

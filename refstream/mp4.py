@@ -74,7 +74,6 @@ __all__ = [
     "walk_boxes",
     "box_tree",
     "describe",
-    "conformance_mp4_index",
 ]
 
 ReadRange = Callable[[int, int], bytes]
@@ -610,30 +609,4 @@ def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
                     "dts": index.dts.tolist(), "duration": index.duration.tolist(),
                     "size": index.size.tolist(), "offset": index.offset.tolist(),
                     "keyframe": index.keyframe.tolist()},
-    }
-
-
-def fixture_path(relpath: str):
-    """A conformance media path: relative to the working directory (the runner's protocol runs
-    adapters inside spec/fixtures), else to this checkout's spec/fixtures."""
-    from pathlib import Path
-
-    here = Path(relpath)
-    if here.exists():
-        return here
-    return Path(__file__).resolve().parents[1] / "spec" / "fixtures" / relpath
-
-
-def conformance_mp4_index(input: dict) -> dict:
-    """Conformance kind ``mp4_index``: ``{"file"}`` (relative to spec/fixtures) → index arrays.
-
-    This adapter is the one place in the module that touches the file system.
-    """
-    index = parse_index_bytes(fixture_path(input["file"]).read_bytes(), input["file"])
-    return {
-        "codec": index.codec, "width": index.width, "height": index.height,
-        "track_id": index.track_id, "timescale": index.timescale,
-        "pts": index.pts.tolist(), "dts": index.dts.tolist(),
-        "duration": index.duration.tolist(), "size": index.size.tolist(),
-        "offset": index.offset.tolist(), "keyframe": index.keyframe.tolist(),
     }

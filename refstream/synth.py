@@ -79,8 +79,6 @@ __all__ = [
     "synthesize_header",
     "synthesize",
     "DEFAULT_FTYP",
-    "conformance_span",
-    "conformance_synth",
 ]
 
 UINT32_MAX = 0xFFFFFFFF
@@ -313,38 +311,3 @@ def synthesize(index: SampleIndex, span: Span, payload: bytes) -> bytes:
         raise UsageError(f"{index.path}: payload of {len(payload)} bytes for a span of"
                          f" {span.byte_length} bytes at offset {span.byte_offset}")
     return synthesize_header(index, span) + bytes(payload)
-
-
-def _fixture_index(input: dict) -> SampleIndex:
-    from refstream.mp4 import fixture_path, parse_index_bytes
-
-    return parse_index_bytes(fixture_path(input["file"]).read_bytes(), input["file"])
-
-
-def conformance_span(input: dict) -> dict:
-    """Conformance kind ``span``: ``{file, from_s, to_s, tolerance_s[, request_times_s]}``."""
-    index = _fixture_index(input)
-    times = input.get("request_times_s")
-    span = select_span(index, input["from_s"], input["to_s"], input["tolerance_s"],
-                       None if times is None else np.asarray(times, float))
-    return {"sample_lo": span.sample_lo, "sample_hi": span.sample_hi,
-            "byte_offset": span.byte_offset, "byte_length": span.byte_length,
-            "start_pts": span.start_pts}
-
-
-def conformance_synth(input: dict) -> dict:
-    """Conformance kind ``synth``: ``{file, sample_lo, sample_hi}`` → size and SHA-256."""
-    import hashlib
-
-    from refstream.mp4 import fixture_path
-
-    index = _fixture_index(input)
-    lo, hi = input["sample_lo"], input["sample_hi"]
-    begin = int(index.offset[lo : hi + 1].min())
-    end = int((index.offset[lo : hi + 1] + index.size[lo : hi + 1]).max())
-    span = Span(lo, hi, begin, end - begin, int(index.pts[lo]))
-    with open(fixture_path(input["file"]), "rb") as f:
-        f.seek(begin)
-        data = synthesize(index, span, f.read(end - begin))
-    return {"synthesized_size": synthesized_size(index, span), "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from refstream import errors
-from refstream.mp4 import conformance_mp4_index, parse_index, parse_index_bytes, walk_boxes
+from refstream.conformance import conformance_mp4_index
+from refstream.mp4 import parse_index, parse_index_bytes, walk_boxes
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 DESCRIPTIONS = {p.stem: json.loads(p.read_text()) for p in sorted(MEDIA.glob("*.json"))}

@@ -13,12 +13,11 @@ import av
 import numpy as np
 import pytest
 
+from refstream.conformance import conformance_span, conformance_synth
 from refstream.errors import FrameNotFound, UsageError
 from refstream.mp4 import SampleIndex, parse_index, parse_index_bytes
 from refstream.synth import (
     Span,
-    conformance_span,
-    conformance_synth,
     select_span,
     synthesize,
     synthesize_header,
