@@ -166,7 +166,8 @@ def add_plan(subparsers) -> None:
 def run_plan(args) -> int:
 
     from refstream.errors import UsageError
-    from refstream.meta import LocalSource, load_meta, select_episodes
+    from refstream.fetch import LocalSource
+    from refstream.meta import load_meta, select_episodes
     from refstream.planner import plan_summary
 
     try:

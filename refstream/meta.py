@@ -2,16 +2,16 @@
 
 Usage::
 
-    meta = load_meta(LocalSource("/data/my_dataset"))    # any Source: local, HTTP, hf://
+    meta = load_meta(open_source("/data/my_dataset"))    # refstream.fetch: local, HTTP, hf://
     ids = select_episodes(meta, [3, 7])                   # None selects every episode
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
 
 Everything is read through a :class:`Source`, an object with one method
 ``read_bytes(relpath) -> bytes`` that returns a whole file of the dataset by its path relative to
 the dataset root. No listing is needed: every file name is derived from ``meta/info.json``.
-:class:`LocalSource` reads a folder and :class:`MemorySource` a ``{relpath: bytes}`` dict; every
-source refuses unsafe paths with :func:`check_relpath` and reports a missing file as
-:class:`MalformedDataset` naming it (remote sources live in ``fetch.py``).
+:class:`MemorySource` reads a ``{relpath: bytes}`` dict; the local, HTTP and ``hf://`` sources
+live in ``fetch.py``. Every source refuses unsafe paths with :func:`check_relpath` and reports a
+missing file as :class:`MalformedDataset` naming it.
 
 What is read, in order (the normative rules are in ``spec/SPEC.md`` §4):
 
@@ -42,7 +42,6 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -51,7 +50,6 @@ import pyarrow.parquet as pq
 
 from refstream.errors import (
     EpisodeSelectionError,
-    FetchError,
     MalformedDataset,
     UnsafePath,
     UnsupportedDataset,
@@ -60,7 +58,6 @@ from refstream.errors import (
 
 __all__ = [
     "Source",
-    "LocalSource",
     "MemorySource",
     "DatasetMeta",
     "load_meta",
@@ -132,22 +129,6 @@ class MemorySource:
         if check_relpath(relpath) not in self.files:
             raise MalformedDataset(f"{relpath}: missing from the dataset")
         return self.files[relpath]
-
-
-class LocalSource:
-    """A dataset in a local folder."""
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-
-    def read_bytes(self, relpath: str) -> bytes:
-        path = self.root / check_relpath(relpath)
-        try:
-            return path.read_bytes()
-        except FileNotFoundError as exc:
-            raise MalformedDataset(f"{relpath}: missing from dataset root {self.root}") from exc
-        except OSError as exc:
-            raise FetchError(f"{path}: cannot read ({exc})") from exc
 
 
 @dataclass(frozen=True, eq=False)

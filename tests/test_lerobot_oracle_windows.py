@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from refstream.meta import LocalSource, load_meta
+from refstream.fetch import LocalSource
+from refstream.meta import load_meta
 from refstream.windows import make_windows, window_rows
 
 LEROBOT = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "lerobot"

@@ -24,8 +24,8 @@ from refstream.errors import (
     UnsupportedDataset,
     UsageError,
 )
+from refstream.fetch import LocalSource
 from refstream.meta import (
-    LocalSource,
     check_relpath,
     conformance_meta,
     load_meta,
