@@ -73,6 +73,7 @@ import re
 import struct
 import sys
 import time
+import tokenize
 import uuid
 import warnings
 import zipfile
@@ -280,7 +281,10 @@ def read_npz(
                 arrays = {name: npz[name] for name in ARRAY_FIELDS}
     except FileNotFoundError:
         raise
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, struct.error) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, struct.error,
+            # numpy parses a member's .npy header (literal_eval) before the zip CRC is checked,
+            # and zipfile refuses unknown compression methods with NotImplementedError.
+            SyntaxError, tokenize.TokenError, NotImplementedError) as exc:
         raise SidecarInvalid(f"{label}: unreadable ({type(exc).__name__}: {exc})") from exc
     if members != {"manifest", *ARRAY_FIELDS}:
         raise SidecarInvalid(f"{label}: members {sorted(members)} are not the schema's")
@@ -331,14 +335,24 @@ def _check_manifest(manifest, dataset: DatasetIdentity, states: Sequence[FileSta
                     f"{path}: {state.relpath} {name} is {getattr(state, name)!r} now, "
                     f"{entry.get(name)!r} when indexed (stale)"
                 )
-        try:
-            checks = [entry["samples"] >= 0, bytes.fromhex(entry["ftyp"]) is not None,
-                      bytes.fromhex(entry["stsd"]) is not None, isinstance(entry["codec"], str)]
-            checks += [type(entry[n]) is int for n in ("samples", *INT_SCALAR_FIELDS)]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SidecarInvalid(f"{path}: {state.relpath}: bad manifest entry ({exc})") from exc
-        if not all(checks):
-            raise SidecarInvalid(f"{path}: {state.relpath}: bad manifest entry")
+        _check_entry(entry, path)
+
+
+def _check_entry(entry: dict, path) -> None:
+    """``SidecarInvalid`` unless one file's manifest entry has the schema's fields and types."""
+    if not isinstance(entry, dict):
+        raise SidecarInvalid(f"{path}: bad manifest entry {entry!r:.80}")
+    relpath = entry.get("relpath")
+    try:
+        checks = [isinstance(relpath, str), isinstance(entry["codec"], str),
+                  bytes.fromhex(entry["ftyp"]) is not None,
+                  bytes.fromhex(entry["stsd"]) is not None]
+        checks += [type(entry[n]) is int for n in ("size", "samples", *INT_SCALAR_FIELDS)]
+        checks.append(all(checks) and entry["samples"] >= 0)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SidecarInvalid(f"{path}: {relpath!r}: bad manifest entry ({exc})") from exc
+    if not all(checks):
+        raise SidecarInvalid(f"{path}: {relpath!r}: bad manifest entry")
 
 
 def _index_files(
@@ -549,6 +563,14 @@ def _parse_compact(mapped: np.ndarray, path: Path, verify: bool) -> tuple[dict, 
         files = manifest["files"]
         if not isinstance(blocks, list) or len(blocks) != len(files):
             raise ValueError("one block table per file expected")
+        for entry in files:
+            _check_entry(entry, path)
+            # dts rises, so a file of n > 1 samples stores it as >= n bytes: n <= the file size
+            # bounds what widening a constant array could allocate.
+            if entry["samples"] > mapped.size:
+                raise ValueError(f"{entry['relpath']}: {entry['samples']} samples")
+        if len({entry["relpath"] for entry in files}) != len(files):
+            raise ValueError("a file is listed twice")
         for entry, file_blocks in zip(files, blocks, strict=True):
             if set(file_blocks) != set(ARRAY_FIELDS):
                 raise ValueError(f"{entry['relpath']}: arrays {sorted(file_blocks)}")
@@ -560,12 +582,21 @@ def _parse_compact(mapped: np.ndarray, path: Path, verify: bool) -> tuple[dict, 
 
 
 def _check_block(block: dict, name: str, count: int, file_size: int, header_length: int) -> None:
+    if not isinstance(block, dict):
+        raise ValueError(f"{name}: block {block!r}")
     if "value" in block:
-        if type(block["value"]) is not (bool if name == "keyframe" else int):
-            raise ValueError(f"{name}: constant {block['value']!r}")
+        value = block["value"]
+        if name == "keyframe":
+            valid = type(value) is bool
+        else:
+            valid = type(value) is int and -(2**63) <= value < 2**63
+        if not valid:
+            raise ValueError(f"{name}: constant {value!r}")
         return
-    dtype = np.dtype(block["dtype"])
     allowed = [np.dtype(bool)] if name == "keyframe" else list(NARROW_DTYPES)
+    if block.get("dtype") not in [d.str for d in allowed]:  # before np.dtype parses the string
+        raise ValueError(f"{name}: dtype {block.get('dtype')!r}")
+    dtype = np.dtype(block["dtype"])
     offset = block["offset"]
     if dtype not in allowed or type(offset) is not int or offset % ALIGN:
         raise ValueError(f"{name}: block {block}")
