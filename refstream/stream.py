@@ -91,7 +91,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from refstream import shard, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache, to_float_chw
-from refstream.errors import TableError, TopologyChanged, UsageError
+from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import (
@@ -105,7 +105,7 @@ from refstream.planner import (
     selection_digest,
 )
 from refstream.sidecar import DatasetIdentity, ensure_index, map_index
-from refstream.tables import read_episode_rows
+from refstream.tables import Footers, read_episode_rows
 from refstream.windows import make_windows, window_rows
 
 __all__ = ["StreamingDataset", "GIB"]
@@ -376,6 +376,7 @@ class _WorkerStream:
         self.cameras = list(dataset.meta.camera_keys)
         self.columns = list(dataset.meta.parquet_keys)
         self.source = open_source(dataset.worker_root)
+        self.footers = Footers()
         self.fetch_pool: ThreadPoolExecutor | None = None
         self.decode_pool: ThreadPoolExecutor | None = None
         self.decoders = DecoderCache(limits.decoder_cache)
@@ -542,7 +543,7 @@ class _WorkerStream:
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(self.source, relpath, episode,
-                                      self.ds._frames_of[episode], self.columns)
+                                      self.ds._frames_of[episode], self.columns, self.footers)
             rows = {name: _column_array(table[name], relpath, episode, name)
                     for name in self.columns}
             videos = {}
@@ -556,6 +557,9 @@ class _WorkerStream:
                     self.budget.mark_resident(episode, len(mp4))
                 videos[camera] = _Video(mp4, span.start_pts / sample_index.timescale)
             return _Episode(rows, videos)
+        except FetchError as exc:
+            # The source names the URL and byte range; only here is the episode known.
+            raise type(exc)(f"episode {episode}: {exc}") from exc
         finally:
             if self.budget is not None:
                 self.budget.mark_fetched(episode)

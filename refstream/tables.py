@@ -2,7 +2,8 @@
 
 Public calls::
 
-    table = read_episode_rows(source, relpath, episode, expected_rows, columns)
+    footers = Footers()                                     # one per worker: reused per file
+    table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers)
     candidate_row_groups(stats, episode) -> list[int]      # the pruning rule on its own
 
 ``read_episode_rows`` returns a ``pyarrow.Table`` with exactly ``columns`` (in that order,
@@ -11,7 +12,9 @@ because list/struct features keep their Arrow types and the caller converts once
 It reads through :class:`refstream.fetch.RangeFile`, so only the footer and the column chunks of
 the candidate row groups travel, and it:
 
-1. opens the footer and checks that every asked column exists (else :class:`TableError`);
+1. opens the footer (its size and metadata are kept in ``footers``, when given, so later
+   episodes of the same file cost only their row groups) and checks that every asked column
+   exists (else :class:`TableError`);
 2. reads ``columns`` plus ``episode_index`` (and ``frame_index`` when the file has it, for
    validation) — the extra columns are dropped again before returning;
 3. prunes row groups with the ``episode_index`` column-chunk statistics
@@ -39,6 +42,7 @@ from refstream.errors import RefstreamError, TableError, UsageError
 from refstream.fetch import RangeFile, Source
 
 __all__ = [
+    "Footers",
     "read_episode_rows",
     "candidate_row_groups",
     "conformance_row_group_candidates",
@@ -48,6 +52,30 @@ __all__ = [
 
 EPISODE_COLUMN = "episode_index"
 FRAME_COLUMN = "frame_index"
+
+
+class Footers:
+    """Each data file's size and Parquet footer, read once and reused for every episode in it.
+
+    A dict under the GIL: two threads may read the same footer at once, and both results are
+    equal, so no lock is needed.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[int, pq.FileMetaData]] = {}
+
+    def open(self, source: Source, relpath: str) -> pq.ParquetFile:
+        known = self._known.get(relpath)
+        if known is None:
+            view = RangeFile(source, relpath)
+            parquet = pq.ParquetFile(view, pre_buffer=False)
+            self._known[relpath] = (view.size(), parquet.metadata)
+            return parquet
+        size, metadata = known
+        # No pre-buffering: it reads on pyarrow's own I/O threads, and every one of them would
+        # open (and keep) its own HTTP session.
+        return pq.ParquetFile(RangeFile(source, relpath, size), metadata=metadata,
+                              pre_buffer=False)
 
 
 def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:
@@ -60,7 +88,12 @@ def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) 
 
 
 def read_episode_rows(
-    source: Source, relpath: str, episode: int, expected_rows: int, columns: Sequence[str]
+    source: Source,
+    relpath: str,
+    episode: int,
+    expected_rows: int,
+    columns: Sequence[str],
+    footers: Footers | None = None,
 ) -> pa.Table:
     """The rows of ``episode`` in ``relpath``, projected to ``columns`` (module docstring)."""
     wanted = list(dict.fromkeys(columns))
@@ -70,7 +103,7 @@ def read_episode_rows(
         raise UsageError(f"{relpath}: episode {episode}: expected_rows must be > 0")
     where = f"{relpath}: episode {episode}"
     try:
-        parquet = pq.ParquetFile(RangeFile(source, relpath))
+        parquet = (footers or Footers()).open(source, relpath)
         names = parquet.schema_arrow.names
         missing = [c for c in [*wanted, EPISODE_COLUMN] if c not in names]
         if missing:
