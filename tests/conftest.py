@@ -1,0 +1,20 @@
+"""Shared pytest options: ``--run-slow`` runs the long fuzz and soak budgets (marker ``slow``)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="run the long fuzz and soak budgets (tests marked slow)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long run: pass --run-slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:  # not item.keywords: ids say "slow" too
+            item.add_marker(skip)
+
