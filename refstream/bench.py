@@ -1,0 +1,1233 @@
+"""``refstream bench``: refstream side by side with the ways people load LeRobot data today.
+
+Use (``refstream bench [--quick] [--json] [--plot PATH] ...`` does the same from the shell)::
+
+    report = run_bench(BenchConfig())          # or BenchConfig.quick(); root=... for your data
+    print("\\n".join(report.lines()))          # the table, the other figures, the targets
+    json.dumps(report.as_dict())
+
+What one run does, all with the same DataLoader settings (workers, batch size,
+``delta_timestamps``: a ``camera_window``-frame window ending at the anchor on every camera and an
+``action_window``-step action window starting at it):
+
+1. **Dataset.** ``demo.write_demo_dataset`` of the configured shape, cached under
+   ``$REFSTREAM_CACHE/bench/<digest of the shape>`` (re-encoding is the slow part), plus one with
+   ``ttfs_scale`` × the episodes for the time-to-first-sample comparison. ``root=`` skips both
+   and measures that folder (no scaled dataset then).
+2. **Passes** (each one constructs its dataset inside the timed region, so the time to the first
+   batch includes metadata, the sidecar lookup, worker start-up and the first decodes):
+   ``refstream-local`` and ``refstream-http`` (``demo.serve_directory`` on loopback) stream one
+   epoch per repeat; ``map-style`` is :class:`MapStyleVideoDataset`, the way LeRobot's map-style
+   dataset with the ``pyav`` backend reads (rows from Parquet loaded up front; per sample and
+   camera: open the source MP4, seek to the keyframe before the window, decode forward, convert
+   every decoded frame to RGB, keep the nearest) with shuffled indices, ``baseline_batches``
+   batches per repeat; ``download-then-read`` copies every file of the dataset over loopback HTTP
+   into a temporary folder and then reads it like ``map-style`` (its time to first sample
+   includes the download); ``decode-ceiling`` decodes the same episodes sequentially with PyAV
+   and converts them to RGB in ``num_workers`` processes, no loader.
+3. **Figures per pass.** samples/s in steady state (over the second half of the pass's batches:
+   the first half fills the DataLoader's prefetch pipeline; the median over repeats), time to the
+   first batch, CPU seconds
+   (process and reaped children, ``os.times``) per sample, peak RSS and PSS of the main process
+   plus its descendants above the main process's own before the pass (``/proc/<pid>/smaps_rollup``
+   sampled every ``MEMORY_INTERVAL_S`` by a background thread), and for HTTP the server's log:
+   requests (video spans, data Parquet, the rest) and video bytes, compared with the minimal span
+   bytes (``synth.select_span`` of every episode and camera) and the dataset size.
+4. **Decode amplification** = decoded frames ÷ delivered frames (delivered = samples × cameras
+   × ``camera_window``). ``decode.py`` exposes no counter, so refstream's is *measured* on an
+   in-process pass of ``amplification_samples`` samples during which ``EpisodeDecoder``'s PyAV
+   container is wrapped in one that counts the frames its ``decode()`` yields; the baseline counts
+   its own decodes. Also printed, as the brief asks when no counter exists: frames in the fetched
+   spans ÷ frames delivered over an epoch.
+5. **Other figures.** Planner anchors/s and resume fast-forward (``skip`` to the last anchor) for
+   one worker of a DROID-sized rank (``droid_episodes`` synthetic episode lengths over
+   ``droid_ranks`` ranks); MP4 index samples/s and bytes read (``mp4.parse_index`` over every video
+   file); batch mixing for both strategies: mean distinct episodes per batch of the DataLoader's
+   batches (each batch comes from one worker's plan) vs a uniform global shuffle of the same
+   frames at the same batch size.
+6. **Targets** of the issue with the measured value and pass/miss (:data:`TARGET_TEXT`).
+
+Measurements share the machine with whatever else runs; repeats and medians damp that, they do
+not remove it. Unlike the I/O-free core, this module imports torch and PyAV (it drives
+DataLoaders and is a PyAV baseline); ``refstream.cli`` imports it only for ``refstream bench``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+import torch
+
+from refstream import demo, shard, synth
+from refstream.errors import UsageError
+from refstream.fetch import LocalSource
+from refstream.meta import DatasetMeta, load_meta
+from refstream.mp4 import parse_index
+from refstream.planner import Planner
+from refstream.sidecar import CACHE_ENV, map_index
+from refstream.stream import GIB, StreamingDataset
+from refstream.windows import make_windows, window_rows
+
+__all__ = ["BenchConfig", "BenchReport", "MapStyleVideoDataset", "run_bench", "TARGET_TEXT"]
+
+CODECS = {"av1": "libsvtav1", "h264": "libx264"}
+MEMORY_INTERVAL_S = 0.2  # smaps_rollup read interval; each read costs ~1.6 ms per process
+TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
+DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
+DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
+PLANNER_TIMED_ANCHORS = 300_000  # anchors emitted to time the planner (a worker has ~1.7 M)
+MIXING_BATCHES = 2_000  # batches per worker compared for mixing on the DROID-sized rank
+# write_demo_dataset's statistics: at most this many frames per statistic, downscaled so the
+# longer side is at most STAT_PIXELS (see _sampled_image_stats).
+STAT_FRAMES = 8
+STAT_PIXELS = 80
+# Targets (issue 6): text shown with each check.
+TARGET_TEXT = {
+    "http_vs_map": "refstream over HTTP >= 3x the map-style baseline's samples/s",
+    "vs_ceiling": "refstream (local) >= 0.8 x decode ceiling / its decode amplification",
+    "amplification": "decode amplification <= 1.6 (at g=2)",
+    "span_bytes": "video bytes fetched <= 1.05 x minimal span bytes (HTTP, one epoch)",
+    "requests": "HTTP requests streaming one epoch <= 1.1 x (episodes x cameras) + data "
+                "Parquet reads",
+    "memory": "peak RSS above baseline <= byte budget + 300 MB per worker",
+    "ttfs": "time to first sample over HTTP <= 3 s (sidecar built), at x1 and xN episodes",
+    "ttfs_flat": "time to first sample flat in dataset size: xN <= 1.5 x the x1 time",
+}
+MB = 1_000_000
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to generate and how to load it. The defaults are the issue's target setup, sized so
+    that a whole run, dataset generation included, fits in ten minutes on two cores."""
+
+    episodes: int = 16
+    frames_per_episode: int = 64
+    cameras: int = 3
+    width: int = 320
+    height: int = 240
+    codec: str = "av1"  # "av1" (SVT-AV1, LeRobot's default) or "h264" (x264)
+    gop: int = 2
+    bframes: int = 0  # H.264 only
+    fps: int = 30
+    episodes_per_file: int = 16  # per video and data file
+    pool_size: int | None = None  # per worker; None: refstream's default (32 per rank, split)
+    budget_gb: float = 1.0  # byte budget per rank, GiB
+    num_workers: int = 2
+    batch_size: int = 32
+    repeats: int = 3
+    camera_window: int = 2  # frames ending at the anchor, every camera
+    action_window: int = 16  # steps starting at the anchor
+    baseline_batches: int = 24  # map-style and download-then-read batches per repeat
+    amplification_samples: int = 256
+    ttfs_scale: int = 8  # the larger dataset for time to first sample: episodes x this
+    droid_episodes: int = DROID_EPISODES
+    droid_ranks: int = 8
+    seed: int = 0
+    root: str | None = None  # measure this dataset folder instead of generating one
+
+    @classmethod
+    def quick(cls, **overrides) -> BenchConfig:
+        """A tiny configuration that runs in seconds (smoke tests, ``--quick``)."""
+        tiny = dict(episodes=4, frames_per_episode=12, cameras=2, width=64, height=48,
+                    episodes_per_file=2, num_workers=1, batch_size=4, repeats=1,
+                    action_window=4, baseline_batches=2, amplification_samples=16,
+                    ttfs_scale=2, droid_episodes=2_000, droid_ranks=2)
+        return cls(**{**tiny, **overrides})
+
+    def check(self) -> None:
+        if self.codec not in CODECS:
+            raise UsageError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
+        positive = ("episodes", "frames_per_episode", "cameras", "width", "height", "gop", "fps",
+                    "episodes_per_file", "batch_size", "repeats", "camera_window",
+                    "action_window", "baseline_batches", "amplification_samples", "ttfs_scale",
+                    "droid_episodes", "droid_ranks")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_workers < 0 or self.bframes < 0 or not self.budget_gb > 0:
+            raise UsageError("num_workers and bframes must be >= 0 and budget_gb > 0")
+        if self.width % 2 or self.height % 2:
+            raise UsageError(f"resolution {self.width}x{self.height}: yuv420p needs even sizes")
+
+    def delta_timestamps(self, cameras: list[str], fps: int,
+                         features: dict | None = None) -> dict[str, list[float]]:
+        """The windows every loader of the run uses (seconds, LeRobot's ``delta_timestamps``);
+        the action window only if ``features`` (when given) has an ``action``."""
+        windows = {c: [-k / fps for k in range(self.camera_window - 1, -1, -1)] for c in cameras}
+        if features is None or "action" in features:
+            windows["action"] = [k / fps for k in range(self.action_window)]
+        return windows
+
+
+# --- the dataset ------------------------------------------------------------------------------
+
+
+def bench_cache() -> Path:
+    """``$REFSTREAM_CACHE/bench`` (default ``~/.cache/refstream/bench``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "refstream") / "bench"
+
+
+def camera_names(count: int) -> list[str]:
+    return [f"observation.images.cam{i}" for i in range(count)]
+
+
+def cached_dataset(config: BenchConfig, episodes: int, progress: Callable[[str], None]) -> Path:
+    """The generated dataset of ``config``'s shape with ``episodes`` episodes (made once)."""
+    shape = {"episodes": episodes, "frames": config.frames_per_episode,
+             "cameras": config.cameras, "size": [config.width, config.height],
+             "codec": config.codec, "gop": config.gop, "bframes": config.bframes,
+             "fps": config.fps, "per_file": config.episodes_per_file, "layout": 1}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    root = bench_cache() / f"{episodes}ep-{digest}"
+    if (root / "meta" / "info.json").exists():
+        return root
+    progress(f"generating {episodes} episodes x {config.frames_per_episode} frames x "
+             f"{config.cameras} cameras ({config.codec}, g={config.gop}) into {root}")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    try:
+        with _sampled_image_stats():
+            demo.write_demo_dataset(
+                building, episode_lengths=[config.frames_per_episode] * episodes,
+                cameras=camera_names(config.cameras), size=(config.width, config.height),
+                fps=config.fps, codec=CODECS[config.codec], gop=config.gop,
+                bframes=config.bframes, episodes_per_video_file=config.episodes_per_file,
+                episodes_per_data_file=config.episodes_per_file)
+        os.replace(building, root)  # another bench made it meanwhile: keep theirs
+    except OSError:
+        if not (root / "meta" / "info.json").exists():
+            raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return root
+
+
+@contextlib.contextmanager
+def _sampled_image_stats() -> Iterator[None]:
+    """Let ``write_demo_dataset`` compute image statistics on sampled, downscaled frames.
+
+    Why: it computes them in float64 over every pixel of every frame, per episode and once more
+    over the whole dataset in one array — about 40 ms per frame and camera at 320×240 and many GB
+    for the scaled dataset. LeRobot itself estimates image statistics on sampled, downsampled
+    frames, and refstream never reads them. Rows keep exact statistics. This swaps
+    ``demo._episode_stats`` for the duration of the call only.
+    """
+    original = demo._episode_stats
+
+    def sampled(rows: dict[str, np.ndarray], sizes: dict[str, tuple[int, int]]) -> dict:
+        stats = original(rows, {})
+        count = len(rows["frame_index"])
+        step = max(1, -(-count // STAT_FRAMES))
+        picked = {name: values[::step] for name, values in rows.items()}
+        for camera, (width, height) in sizes.items():
+            shrink = max(1, -(-max(width, height) // STAT_PIXELS))
+            small = {camera: (max(8, width // shrink), max(8, height // shrink))}
+            stats[camera] = original(picked, small)[camera]
+        return stats
+
+    demo._episode_stats = sampled
+    try:
+        yield
+    finally:
+        demo._episode_stats = original
+
+
+def dataset_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@dataclass(frozen=True)
+class SpanTotals:
+    """The minimal exact spans of every (episode, camera) of a dataset."""
+
+    span_bytes: int  # sum of the spans' byte lengths: what must be fetched at least
+    span_frames: int  # sum of the spans' sample counts
+    episode_bytes: dict[int, int]  # episode -> synthesized mini-MP4 bytes over its cameras
+
+
+def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
+    """The minimal exact spans: ``synth.select_span`` of the times each episode can request,
+    ``from_timestamp + timestamp`` of its rows (LeRobot's query times), read from the Parquet."""
+    index = map_index(index_path)
+    relpaths = sorted({meta.data_relpath(int(e)) for e in meta.episode_index})
+    table = pa.concat_tables([pq.read_table(root / r, columns=["episode_index", "timestamp"])
+                              for r in relpaths])
+    episode_of = table["episode_index"].to_numpy()
+    timestamps_s = table["timestamp"].to_numpy().astype(np.float64)
+    span_bytes = span_frames = 0
+    episode_bytes: dict[int, int] = {}
+    for episode in meta.episode_index.tolist():
+        row = meta.row(episode)
+        total = 0
+        for camera in meta.camera_keys:
+            sample_index = index[meta.video_relpath(episode, camera)]
+            from_s = float(meta.video_from_s[camera][row])
+            span = synth.select_span(sample_index, from_s, float(meta.video_to_s[camera][row]),
+                                     TOLERANCE_S, from_s + timestamps_s[episode_of == episode])
+            span_bytes += span.byte_length
+            span_frames += span.sample_hi - span.sample_lo + 1
+            total += synth.synthesized_size(sample_index, span)
+        episode_bytes[episode] = total
+    return SpanTotals(span_bytes, span_frames, episode_bytes)
+
+
+# --- measuring a pass -------------------------------------------------------------------------
+
+
+def _read_kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int] | None:
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None  # the process is gone
+    found = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in names:
+            found[key] = int(rest.split()[0]) * 1024
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant process of ``pid`` (DataLoader workers, decode-ceiling processes)."""
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                children = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+            except OSError:
+                continue
+            found += [int(c) for c in children]
+            stack += [int(c) for c in children]
+    return found
+
+
+def memory_of(pids: list[int]) -> tuple[int, int]:
+    """Summed RSS and PSS (bytes) of live ``pids``."""
+    rss = pss = 0
+    for pid in pids:
+        fields = _read_kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss"))
+        if fields:
+            rss += fields.get("Rss", 0)
+            pss += fields.get("Pss", 0)
+    return rss, pss
+
+
+class MemorySampler:
+    """Samples RSS/PSS of this process and its descendants on a background thread."""
+
+    def __init__(self, interval_s: float = MEMORY_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.baseline_rss, self.baseline_pss = memory_of([os.getpid()])
+        self.series: list[tuple[float, int, int]] = []  # (seconds since start, rss, pss)
+        self._stop = threading.Event()
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while True:
+            rss, pss = memory_of([me, *descendants(me)])
+            self.series.append((time.perf_counter() - self._started, rss, pss))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> tuple[int, int]:
+        """Peak RSS and PSS above the baseline (bytes)."""
+        self._stop.set()
+        self._thread.join()
+        peak_rss = max((r for _, r, _ in self.series), default=self.baseline_rss)
+        peak_pss = max((p for _, _, p in self.series), default=self.baseline_pss)
+        return peak_rss - self.baseline_rss, peak_pss - self.baseline_pss
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One timed pass of one method (seconds, bytes)."""
+
+    samples: int
+    first_batch_s: float  # from before the dataset is made to the first batch
+    steady_samples_per_s: float  # over the second half of the batches (see timed_pass)
+    cpu_s: float  # user + system of this process and its reaped children over the pass
+    peak_rss_above_bytes: int
+    peak_pss_above_bytes: int
+    decoded_frames: int | None  # counted by the loader itself (map-style), else None
+    worker_stats: list[dict] = field(default_factory=list)  # StreamingDataset.worker_stats()
+    batch_times_s: list[tuple[float, int]] = field(default_factory=list)  # (t, samples so far)
+    memory_series: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: int | None) -> Pass:
+    """Make ``(dataset, loader)`` and consume up to ``max_batches`` batches, measuring."""
+    sampler = MemorySampler()
+    cpu_before = _cpu_seconds()
+    start = time.perf_counter()
+    dataset, loader = make_loader()
+    batches = iter(loader)
+    samples = 0
+    decoded: int | None = None
+    times: list[tuple[float, int]] = []
+    try:
+        for batch in batches:
+            samples += len(batch["index"])
+            if "bench.decoded_frames" in batch:
+                decoded = (decoded or 0) + int(batch["bench.decoded_frames"].sum())
+            times.append((time.perf_counter() - start, samples))
+            if max_batches is not None and len(times) >= max_batches:
+                break
+    finally:
+        del batches  # joins the DataLoader workers, so their CPU time is counted below
+    cpu = _cpu_seconds() - cpu_before
+    rss_above, pss_above = sampler.stop()
+    if not times:
+        raise UsageError("the loader yielded no batch: the dataset is smaller than one batch")
+    # Steady state: the second half of the batches (the first half fills the DataLoader's
+    # prefetch pipeline, whose batches were mostly made before the clock of a short pass).
+    from_s, from_samples = times[max(0, len(times) // 2 - 1)]
+    last_s, last_samples = times[-1]
+    steady = (last_samples - from_samples) / (last_s - from_s) if last_s > from_s else 0.0
+    first_s = times[0][0]
+    stats = dataset.worker_stats() if isinstance(dataset, StreamingDataset) else []
+    return Pass(samples, first_s, steady, cpu, rss_above, pss_above, decoded, stats, times,
+                sampler.series)
+
+
+@dataclass(frozen=True)
+class HttpTraffic:
+    """What the loopback server answered during one pass."""
+
+    requests: int
+    video_requests: int
+    video_bytes: int  # bytes asked for by video range requests
+    data_parquet_requests: int  # reads of data/… Parquet files (footers and row groups)
+    other_requests: int  # metadata, HEADs for sizes and identities
+    body_bytes: int  # every response body byte
+
+
+def http_traffic(server: demo.LoopbackServer, log_start: int, log_end: int | None = None,
+                 body_bytes: int = 0) -> HttpTraffic:
+    """Classify ``server.log[log_start:log_end]``; ``body_bytes`` is what those sent."""
+    entries = server.log[log_start:log_end]
+    video = [e for e in entries if e[0] == "GET" and e[1].endswith(".mp4")]
+    video_bytes = 0
+    for _, path, range_header, _ in video:
+        if range_header is None:
+            video_bytes += (server.root / path.lstrip("/")).stat().st_size
+            continue
+        first, _, last = range_header.removeprefix("bytes=").partition("-")
+        video_bytes += int(last) - int(first) + 1
+    parquet = [e for e in entries if e[0] == "GET" and "/data/" in e[1]
+               and e[1].endswith(".parquet")]
+    return HttpTraffic(len(entries), len(video), video_bytes, len(parquet),
+                       len(entries) - len(video) - len(parquet), body_bytes)
+
+
+# --- the map-style baseline -------------------------------------------------------------------
+
+
+def _numpy_column(column: pa.ChunkedArray) -> np.ndarray:
+    array = column.combine_chunks()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return np.array(array.to_pylist())
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+def decode_like_lerobot(path: str, times_s: np.ndarray,
+                        tolerance_s: float) -> tuple[np.ndarray, int]:
+    """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded.
+
+    LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
+    keyframe at or before the first time, decode forward converting every frame to RGB until one
+    is at or past the last time, then take the nearest frame per time (error beyond tolerance).
+    """
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        first_s, last_s = float(times_s.min()), float(times_s.max())
+        container.seek(int(first_s / stream.time_base), stream=stream, backward=True,
+                       any_frame=False)
+        pictures, stamps = [], []
+        for frame in container.decode(stream):
+            pictures.append(frame.to_ndarray(format="rgb24"))
+            stamps.append(float(frame.time))
+            if stamps[-1] >= last_s:
+                break
+    distances = np.abs(times_s[:, None] - np.array(stamps)[None, :])
+    nearest = distances.argmin(axis=1)
+    worst = float(distances[np.arange(len(times_s)), nearest].max())
+    if worst > tolerance_s:
+        raise UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
+    chosen = np.stack([pictures[i] for i in nearest]).transpose(0, 3, 1, 2)
+    return chosen.astype(np.float32) / np.float32(255), len(pictures)
+
+
+class MapStyleVideoDataset:
+    """A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with ``pyav`` video.
+
+    Rows: every data Parquet file is read into numpy arrays when the dataset is made (LeRobot
+    loads its Arrow tables up front too). Items: the anchor's rows and windows by LeRobot's rule
+    (``refstream.windows``), each camera decoded per item by :func:`decode_like_lerobot`; every
+    item also carries ``bench.decoded_frames`` (int64) so the bench can count decodes.
+    """
+
+    def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]],
+                 tolerance_s: float = TOLERANCE_S) -> None:
+        self.root = Path(root)
+        self.meta = load_meta(LocalSource(self.root))
+        self.tolerance_s = tolerance_s
+        self.windows = make_windows(delta_timestamps, self.meta.fps, tolerance_s,
+                                    feature_keys=self.meta.features)
+        relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
+        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
+        table = table.sort_by("index")
+        self.columns = {name: _numpy_column(table[name]) for name in self.meta.parquet_keys}
+        self.global_index = self.columns["index"]
+
+    def __len__(self) -> int:
+        return len(self.global_index)
+
+    def __getitem__(self, position: int) -> dict:
+        meta = self.meta
+        row = int(np.searchsorted(meta.from_index, int(self.global_index[position]),
+                                  side="right")) - 1
+        episode, first = int(meta.episode_index[row]), int(meta.from_index[row])
+        frame, length = int(self.global_index[position]) - first, int(meta.length[row])
+        item: dict = {}
+        for key, values in self.columns.items():
+            offsets = self.windows.offsets.get(key)
+            if offsets is None:
+                item[key] = torch.as_tensor(_lerobot_dtype(values[first + frame]))
+            else:
+                rows, is_pad = window_rows(offsets, frame, length)
+                item[key] = torch.as_tensor(_lerobot_dtype(values[first + rows]))
+                item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
+        decoded = 0
+        for camera in meta.camera_keys:
+            offsets = self.windows.offsets.get(camera, np.zeros(1, np.int64))
+            rows, is_pad = window_rows(offsets, frame, length)
+            times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
+                first + rows].astype(np.float64)
+            pixels, count = decode_like_lerobot(
+                str(self.root / meta.video_relpath(episode, camera)), times_s, self.tolerance_s)
+            decoded += count
+            item[camera] = torch.from_numpy(pixels if len(rows) > 1 else pixels[0])
+            if camera in self.windows.offsets:
+                item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
+        item["task"] = meta.tasks[int(self.columns["task_index"][first + frame])]
+        item["bench.decoded_frames"] = torch.tensor(decoded)
+        return item
+
+
+def _lerobot_dtype(values) -> np.ndarray:
+    array = np.array(values, copy=True)
+    if array.dtype.kind == "f":
+        return array.astype(np.float32)
+    if array.dtype.kind in "iu":
+        return array.astype(np.int64)
+    return array
+
+
+# --- the decode ceiling -----------------------------------------------------------------------
+
+
+def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float, float]:
+    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB:
+    (episode frames, decoded frames, decode seconds, RGB conversion seconds)."""
+    episode_frames = decoded = 0
+    decode_s = rgb_s = 0.0
+    containers: dict[str, av.container.InputContainer] = {}
+    try:
+        for path, from_s, to_s in jobs:
+            container = containers.get(path) or containers.setdefault(path, av.open(path))
+            stream = container.streams.video[0]
+            container.seek(int(from_s / stream.time_base), stream=stream, backward=True)
+            frames = container.decode(stream)
+            while True:
+                started = time.perf_counter()
+                frame = next(frames, None)
+                decode_s += time.perf_counter() - started
+                if frame is None or frame.time >= to_s - TOLERANCE_S:
+                    break
+                decoded += 1
+                if frame.time < from_s - TOLERANCE_S:
+                    continue  # before the episode: decoded from the keyframe, not delivered
+                started = time.perf_counter()
+                frame.to_ndarray(format="rgb24")
+                rgb_s += time.perf_counter() - started
+                episode_frames += 1
+    finally:
+        for container in containers.values():
+            container.close()
+    return episode_frames, decoded, decode_s, rgb_s
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    processes: int
+    episode_frames: int  # frames of the episodes, decoded and converted to RGB
+    decoded_frames: int
+    wall_s: float
+    decode_s: float  # summed over processes: time inside PyAV's decode
+    rgb_s: float  # summed over processes: time converting to RGB
+    cpu_s: float
+
+    @property
+    def frames_per_s(self) -> float:
+        return self.episode_frames / self.wall_s
+
+
+def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
+    """Sequential PyAV decode of every episode of every camera, episodes dealt round-robin to
+    ``processes`` processes (the DataLoader's worker count; at least one)."""
+    jobs = [(str(root / meta.video_relpath(int(e), camera)),
+             float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
+            for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]
+    processes = max(1, processes)
+    shares = [jobs[p::processes] for p in range(processes)]
+    with ProcessPoolExecutor(processes) as pool:
+        list(pool.map(int, range(processes)))  # start the processes before the clock
+        cpu_before = _cpu_seconds()
+        started = time.perf_counter()
+        results = list(pool.map(_decode_jobs, shares))
+        wall = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_before
+    return Ceiling(processes, sum(r[0] for r in results), sum(r[1] for r in results), wall,
+                   sum(r[2] for r in results), sum(r[3] for r in results), cpu)
+
+
+# --- decode amplification of refstream --------------------------------------------------------
+
+
+class _CountingContainer:
+    """A PyAV input container whose ``decode()`` counts the frames it yields."""
+
+    def __init__(self, container, counter: list[int], lock: threading.Lock) -> None:
+        self._container = container
+        self._counter = counter
+        self._lock = lock
+
+    def decode(self, *args, **kwargs):
+        for frame in self._container.decode(*args, **kwargs):
+            with self._lock:
+                self._counter[0] += 1
+            yield frame
+
+    def __getattr__(self, name: str):
+        return getattr(self._container, name)
+
+
+@contextlib.contextmanager
+def counting_decodes() -> Iterator[list[int]]:
+    """Count every frame ``refstream.decode.EpisodeDecoder`` decodes in this process.
+
+    decode.py has no counter, so its container is wrapped while the block runs (``[count]``)."""
+    from refstream import decode
+
+    original = decode.EpisodeDecoder._open
+    counter, lock = [0], threading.Lock()
+
+    def counted(self):
+        return _CountingContainer(original(self), counter, lock)
+
+    decode.EpisodeDecoder._open = counted
+    try:
+        yield counter
+    finally:
+        decode.EpisodeDecoder._open = original
+
+
+def refstream_decode_count(root: str, config: BenchConfig, delta_timestamps: dict,
+                           samples: int) -> tuple[int, int]:
+    """(decoded frames, samples) over ``samples`` samples of an in-process stream."""
+    with counting_decodes() as counter:
+        dataset = _streaming(root, config, delta_timestamps, epoch=0)
+        stream = iter(dataset)
+        taken = 0
+        try:
+            for _ in range(samples):
+                if next(stream, None) is None:
+                    break
+                taken += 1
+        finally:
+            stream.close()
+        return counter[0], taken
+
+
+# --- planner, index, mixing -------------------------------------------------------------------
+
+
+def droid_lengths(count: int, seed: int) -> list[int]:
+    low, high = DROID_FRAME_RANGE
+    return np.random.default_rng(seed).integers(low, high + 1, size=count).tolist()
+
+
+@dataclass(frozen=True)
+class PlannerFigures:
+    rank_episodes: int
+    worker_anchors: int
+    setup_s: float  # rank share + worker shares + limits + the planner
+    anchors_per_s: float
+    resume_skip_s: float  # fast-forward to the worker's last anchor (the worst resume)
+    skip_anchors_per_s: float
+
+
+def _rank_worker(frames: list[int], config: BenchConfig,
+                 bytes_per_frame: float) -> tuple[list[int], list[int], shard.WorkerLimits]:
+    ids = list(range(len(frames)))
+    share = shard.rank_share(ids, frames, 0, config.droid_ranks)
+    part = shard.worker_shares(share, [frames[e] for e in share], max(1, config.num_workers))[0]
+    limits = shard.split_limits(max(1, config.num_workers), pool_size=config.pool_size,
+                                byte_budget=int(config.budget_gb * GIB), decoder_cache=None,
+                                cameras=config.cameras)
+    sizes = [int(frames[e] * bytes_per_frame) for e in part]
+    return part, sizes, limits
+
+
+def planner_figures(config: BenchConfig, bytes_per_frame: float) -> PlannerFigures:
+    frames = droid_lengths(config.droid_episodes, config.seed)
+    started = time.perf_counter()
+    part, sizes, limits = _rank_worker(frames, config, bytes_per_frame)
+    counts = [frames[e] for e in part]
+
+    def make() -> Planner:
+        return Planner(part, counts, seed=config.seed, epoch=0, rank=0, worker=0,
+                       pool_size=limits.pool_size, byte_sizes=sizes,
+                       byte_budget=limits.byte_budget)
+
+    planner = make()
+    setup_s = time.perf_counter() - started
+    timed = min(PLANNER_TIMED_ANCHORS, planner.remaining)
+    started = time.perf_counter()
+    for _ in range(timed):
+        next(planner)
+    emit_s = time.perf_counter() - started
+    planner = make()
+    skipped = planner.remaining - 1
+    started = time.perf_counter()
+    planner.skip(skipped)
+    skip_s = time.perf_counter() - started
+    rank = shard.rank_share(list(range(len(frames))), frames, 0, config.droid_ranks)
+    return PlannerFigures(len(rank), sum(counts), setup_s, timed / emit_s, skip_s,
+                          skipped / skip_s if skip_s else 0.0)
+
+
+@dataclass(frozen=True)
+class IndexFigures:
+    files: int
+    samples: int
+    seconds: float
+    bytes_read: int
+    video_bytes: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+
+def index_figures(root: Path, meta: DatasetMeta) -> IndexFigures:
+    """``mp4.parse_index`` over every video file, reading through a counting range reader."""
+    source = LocalSource(root)
+    relpaths = sorted({meta.video_relpath(int(e), c)
+                       for e in meta.episode_index for c in meta.camera_keys})
+    read = [0]
+
+    def reader(relpath: str) -> Callable[[int, int], bytes]:
+        def read_range(offset: int, length: int) -> bytes:
+            data = source.read_range(relpath, offset, length)
+            read[0] += len(data)
+            return data
+        return read_range
+
+    samples = 0
+    started = time.perf_counter()
+    for relpath in relpaths:
+        samples += len(parse_index(reader(relpath), source.size(relpath), relpath))
+    seconds = time.perf_counter() - started
+    return IndexFigures(len(relpaths), samples, seconds, read[0],
+                        sum(source.size(r) for r in relpaths))
+
+
+@dataclass(frozen=True)
+class Mixing:
+    strategy: str
+    batch_size: int
+    batches: int
+    mean_distinct: float  # distinct episodes per batch, refstream's plan
+    uniform_mean_distinct: float  # the same frames globally shuffled, same batch size
+
+
+def batch_mixing(episodes: list[int], frames: list[int], config: BenchConfig, strategy: str,
+                 byte_sizes: list[int] | None, max_batches: int | None) -> Mixing:
+    """Mean distinct episodes per DataLoader batch (every batch is one worker's ``batch_size``
+    consecutive anchors) vs a uniform shuffle of the same frames; full batches only."""
+    workers = max(1, config.num_workers)
+    limits = shard.split_limits(workers, pool_size=config.pool_size,
+                                byte_budget=int(config.budget_gb * GIB), decoder_cache=None,
+                                cameras=config.cameras)
+    size_of = dict(zip(episodes, byte_sizes, strict=True)) if byte_sizes else None
+    frames_of = dict(zip(episodes, frames, strict=True))
+    distinct: list[int] = []
+    for worker, share in enumerate(shard.worker_shares(episodes, frames, workers)):
+        share_frames = [frames_of[e] for e in share]
+        planner = Planner(share, share_frames, seed=config.seed, epoch=0, rank=0, worker=worker,
+                          strategy=strategy, pool_size=limits.pool_size,
+                          byte_sizes=[size_of[e] for e in share] if size_of else None,
+                          byte_budget=limits.byte_budget if size_of else None)
+        full = planner.remaining // config.batch_size
+        for _ in range(full if max_batches is None else min(full, max_batches)):
+            batch = {next(planner)[0] for _ in range(config.batch_size)}
+            distinct.append(len(batch))
+    labels = np.repeat(np.asarray(episodes), np.asarray(frames))
+    shuffled = np.random.default_rng(config.seed).permutation(labels)
+    count = len(distinct)
+    usable = shuffled[: count * config.batch_size].reshape(count, config.batch_size)
+    uniform = [len(np.unique(b)) for b in usable]
+    return Mixing(strategy, config.batch_size, count, float(np.mean(distinct)),
+                  float(np.mean(uniform)))
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _streaming(root: str, config: BenchConfig, delta_timestamps: dict,
+               epoch: int) -> StreamingDataset:
+    dataset = StreamingDataset(root, delta_timestamps=delta_timestamps, tolerance_s=TOLERANCE_S,
+                               seed=config.seed, episode_pool_size=config.pool_size,
+                               byte_budget_gb=config.budget_gb, batch_size=config.batch_size)
+    dataset.set_epoch(epoch)
+    return dataset
+
+
+@dataclass(frozen=True)
+class Method:
+    """Every pass of one method and what the report derives from them."""
+
+    name: str
+    passes: list[Pass]
+    amplification: float | None = None  # decoded / delivered frames
+    fetched_bytes: int | None = None  # video + Parquet bytes the loader fetched (one pass)
+    video_bytes: int | None = None  # video bytes fetched (HTTP log), one pass
+    traffic: HttpTraffic | None = None  # one pass, after the dataset was made
+    setup_traffic: HttpTraffic | None = None  # making the dataset: metadata, sidecar checks
+
+    @property
+    def samples_per_s(self) -> float:
+        return statistics.median(p.steady_samples_per_s for p in self.passes)
+
+    @property
+    def first_batch_s(self) -> float:
+        return statistics.median(p.first_batch_s for p in self.passes)
+
+    @property
+    def cpu_s_per_sample(self) -> float:
+        return sum(p.cpu_s for p in self.passes) / sum(p.samples for p in self.passes)
+
+    @property
+    def peak_rss_above_bytes(self) -> int:
+        return max(p.peak_rss_above_bytes for p in self.passes)
+
+    @property
+    def peak_pss_above_bytes(self) -> int:
+        return max(p.peak_pss_above_bytes for p in self.passes)
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    text: str
+    measured: str
+    passed: bool
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    config: BenchConfig
+    root: str
+    episodes: int
+    frames: int
+    cameras: int
+    dataset_bytes: int
+    spans: SpanTotals
+    methods: list[Method]
+    ceiling: Ceiling
+    ceiling_samples_per_s: float  # ceiling frames/s / delivered frames per sample
+    span_frames_per_delivered: float
+    ttfs_s: dict[str, float]  # "x1" / "xN" -> median seconds over HTTP
+    planner: PlannerFigures
+    index: IndexFigures
+    mixing: list[Mixing]
+    droid_mixing: list[Mixing]
+    targets: list[Target]
+    notes: list[str]
+    seconds: float
+
+    def method(self, name: str) -> Method:
+        return next(m for m in self.methods if m.name == name)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["spans"].pop("episode_bytes")
+        for method, raw in zip(self.methods, out["methods"], strict=True):
+            raw.update(samples_per_s=method.samples_per_s, first_batch_s=method.first_batch_s,
+                       cpu_s_per_sample=method.cpu_s_per_sample,
+                       peak_rss_above_bytes=method.peak_rss_above_bytes,
+                       peak_pss_above_bytes=method.peak_pss_above_bytes)
+        return out
+
+    def lines(self) -> list[str]:
+        c = self.config
+        out = [
+            f"dataset: {self.root}: {self.episodes} episodes x {c.frames_per_episode} frames "
+            f"= {self.frames} frames, {self.cameras} cameras {c.width}x{c.height} {c.codec} "
+            f"g={c.gop} bf={c.bframes}, {self.dataset_bytes:,} bytes; minimal spans "
+            f"{self.spans.span_bytes:,} bytes",
+            f"loader: {c.num_workers} workers, batch {c.batch_size}, camera window "
+            f"{c.camera_window} frames, action window {c.action_window}, budget {c.budget_gb} GiB"
+            f", pool {c.pool_size or 'default'}; {c.repeats} repeats (medians)",
+            "",
+            f"{'method':20s} {'samples/s':>10s} {'x map':>6s} {'x dl':>6s} {'1st batch s':>11s} "
+            f"{'dec/deliv':>9s} {'B/span':>7s} {'B/data':>7s} {'requests':>8s} "
+            f"{'RSS+ MB':>8s} {'PSS+ MB':>8s} {'CPU ms/s':>8s}",
+        ]
+        base = self.method("map-style").samples_per_s
+        download = self.method("download-then-read").samples_per_s
+        for m in self.methods:
+            out.append(
+                f"{m.name:20s} {m.samples_per_s:10.1f} {_ratio(m.samples_per_s, base):>6s} "
+                f"{_ratio(m.samples_per_s, download):>6s} {m.first_batch_s:11.2f} "
+                f"{_fmt(m.amplification, '.2f'):>9s} "
+                f"{_fmt(_div(m.video_bytes, self.spans.span_bytes), '.3f'):>7s} "
+                f"{_fmt(_div(m.fetched_bytes, self.dataset_bytes), '.3f'):>7s} "
+                f"{_fmt(m.traffic.requests if m.traffic else None, 'd'):>8s} "
+                f"{m.peak_rss_above_bytes / MB:8.0f} {m.peak_pss_above_bytes / MB:8.0f} "
+                f"{1000 * m.cpu_s_per_sample:8.1f}")
+        ce = self.ceiling
+        ceiling_cpu_ms = 1000 * ce.cpu_s / (ce.episode_frames / (self.cameras * c.camera_window))
+        out.append(
+            f"{'decode-ceiling':20s} {self.ceiling_samples_per_s:10.1f} "
+            f"{_ratio(self.ceiling_samples_per_s, base):>6s} "
+            f"{_ratio(self.ceiling_samples_per_s, download):>6s} {'-':>11s} "
+            f"{ce.decoded_frames / ce.episode_frames:9.2f} {'-':>7s} {'-':>7s} {'-':>8s} "
+            f"{'-':>8s} {'-':>8s} {ceiling_cpu_ms:8.1f}")
+        out += [
+            "",
+            f"decode ceiling: {ce.frames_per_s:,.0f} frames/s in {ce.processes} processes "
+            f"(decode {ce.decode_s:.2f} s, RGB conversion {ce.rgb_s:.2f} s summed); samples/s "
+            f"= frames/s / {self.cameras * c.camera_window} delivered frames per sample",
+            f"span frames per delivered frame (epoch): {self.span_frames_per_delivered:.3f}",
+            f"time to first batch over HTTP, sidecar built: x1 {self.ttfs_s['x1']:.2f} s, "
+            + (f"x{c.ttfs_scale} {self.ttfs_s['xN']:.2f} s" if "xN" in self.ttfs_s
+               else "scaled dataset not measured (--root)"),
+        ]
+        p = self.planner
+        out.append(
+            f"planner (DROID-sized rank: {p.rank_episodes:,} episodes, one of "
+            f"{max(1, c.num_workers)} workers with {p.worker_anchors:,} anchors): "
+            f"{p.anchors_per_s:,.0f} anchors/s, setup {p.setup_s:.2f} s, resume fast-forward "
+            f"to the last anchor {p.resume_skip_s:.2f} s ({p.skip_anchors_per_s:,.0f} anchors/s)")
+        ix = self.index
+        out.append(
+            f"MP4 index: {ix.files} files, {ix.samples:,} samples in {ix.seconds:.3f} s = "
+            f"{ix.samples_per_s:,.0f} samples/s; {ix.bytes_read:,} bytes read of "
+            f"{ix.video_bytes:,} ({ix.bytes_read / max(1, ix.video_bytes):.2%})")
+        mixes = (("bench dataset", self.mixing), ("DROID-sized rank", self.droid_mixing))
+        for label, rows in mixes:
+            for mix in rows:
+                out.append(
+                    f"batch mixing ({label}, {mix.strategy}): {mix.mean_distinct:.2f} distinct "
+                    f"episodes per batch of {mix.batch_size} vs {mix.uniform_mean_distinct:.2f} "
+                    f"uniform ({mix.batches} batches)")
+        out += ["", "targets:"]
+        for t in self.targets:
+            out.append(f"  [{'pass' if t.passed else 'MISS'}] {t.text}: {t.measured}")
+        out += ["", *[f"note: {n}" for n in self.notes],
+                f"bench took {self.seconds:.0f} s"]
+        return out
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base else "-"
+
+
+def _download(url: str, root: Path, destination: Path) -> None:
+    """Copy every file of the dataset over HTTP (a user's ``snapshot_download``, 4 threads)."""
+    relpaths = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*")) if p.is_file()]
+
+    def fetch(relpath: str) -> None:
+        target = destination / relpath
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with requests.get(f"{url}/{relpath}", timeout=60) as response:
+            response.raise_for_status()
+            target.write_bytes(response.content)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(fetch, relpaths))
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def _loader(dataset, config: BenchConfig, **options):
+    return torch.utils.data.DataLoader(dataset, batch_size=config.batch_size,
+                                       num_workers=config.num_workers, **options)
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Generate (or take) the dataset, run every pass and figure; see the module docstring."""
+    say = progress or (lambda _message: None)
+    config.check()
+    started = time.perf_counter()
+    if config.root is None:
+        root = cached_dataset(config, config.episodes, say)
+        scaled = cached_dataset(config, config.episodes * config.ttfs_scale, say)
+    else:
+        root, scaled = Path(config.root), None
+    meta = load_meta(LocalSource(root))
+    if not meta.camera_keys:
+        raise UsageError(f"{root}: the dataset has no video features to benchmark")
+    if config.root is not None:
+        config = replace(config, cameras=len(meta.camera_keys), episodes=meta.total_episodes)
+    windows = config.delta_timestamps(meta.camera_keys, meta.fps, meta.features)
+    delivered_per_sample = len(meta.camera_keys) * config.camera_window
+    notes = [
+        "the machine's cores are shared with other work: figures are medians over repeats and "
+        "still noisy",
+        "decode amplification of refstream is counted by wrapping decode.EpisodeDecoder's PyAV "
+        "container in-process (decode.py exposes no counter); the baseline counts its decodes",
+    ]
+    with tempfile.TemporaryDirectory(prefix="refstream-bench-") as scratch, \
+            _environment(CACHE_ENV, str(Path(scratch) / "cache")):
+        # Sidecars of loopback URLs (a new port every run) go to a scratch cache.
+        methods: list[Method] = []
+        say("refstream from the local folder")
+        local_root = str(root)
+        local_probe = _streaming(local_root, config, windows, 0)  # builds the sidecar
+        spans = span_totals(root, meta, local_probe.index_path)
+        episode_sizes = [spans.episode_bytes[e] for e in local_probe.episodes]
+        passes = [timed_pass(lambda r=r: _with(_streaming(local_root, config, windows, r),
+                                               config), None)
+                  for r in range(config.repeats)]
+        fetched = sum(w["fetch_bytes"] for w in passes[0].worker_stats)
+        methods.append(Method("refstream-local", passes, fetched_bytes=fetched))
+
+        with demo.serve_directory(root) as server:
+            say("refstream over loopback HTTP")
+            _streaming(server.url, config, windows, 0)  # builds the sidecar for this URL
+            passes, traffic, setup = [], None, None
+            for r in range(config.repeats):
+                marks = [(len(server.log), server.body_bytes)]
+
+                def made(r=r, marks=marks):
+                    dataset = _streaming(server.url, config, windows, r)
+                    marks.append((len(server.log), server.body_bytes))
+                    return _with(dataset, config)
+
+                passes.append(timed_pass(made, None))
+                if traffic is None:  # the first pass: setup (main process) vs streaming
+                    (start, sent), (streaming, sent_setup) = marks
+                    setup = http_traffic(server, start, streaming, sent_setup - sent)
+                    traffic = http_traffic(server, streaming, None, server.body_bytes - sent_setup)
+            methods.append(Method("refstream-http", passes, fetched_bytes=traffic.body_bytes,
+                                  video_bytes=traffic.video_bytes, traffic=traffic,
+                                  setup_traffic=setup))
+
+            say("download-then-read")
+            download_to = Path(scratch) / "download"
+
+            def download_and_open():
+                shutil.rmtree(download_to, ignore_errors=True)
+                _download(server.url, root, download_to)
+                return _map_style(download_to, config, windows, 0)
+
+            log_start, bytes_start = len(server.log), server.body_bytes
+            passes = [timed_pass(download_and_open, config.baseline_batches)]
+            traffic = http_traffic(server, log_start, None, server.body_bytes - bytes_start)
+            dl_amp = passes[0].decoded_frames / (passes[0].samples * delivered_per_sample)
+            methods.append(Method("download-then-read", passes, amplification=dl_amp,
+                                  fetched_bytes=traffic.body_bytes, traffic=traffic))
+
+            say("time to first sample over HTTP at two dataset sizes")
+            ttfs = {"x1": _first_batch_median(server.url, config, windows)}
+        if scaled is not None:
+            with demo.serve_directory(scaled) as big_server:
+                _streaming(big_server.url, config, windows, 0)
+                ttfs["xN"] = _first_batch_median(big_server.url, config, windows)
+
+        say("map-style baseline")
+        passes = [timed_pass(lambda r=r: _map_style(root, config, windows, r),
+                             config.baseline_batches) for r in range(config.repeats)]
+        map_amp = sum(p.decoded_frames for p in passes) / (
+            sum(p.samples for p in passes) * delivered_per_sample)
+        methods.insert(0, Method("map-style", passes, amplification=map_amp))
+
+        say("decode amplification of refstream (in-process, counted)")
+        decoded, taken = refstream_decode_count(local_root, config, windows,
+                                                config.amplification_samples)
+        amplification = decoded / (taken * delivered_per_sample)
+        methods = [replace(m, amplification=amplification) if m.name.startswith("refstream")
+                   else m for m in methods]
+
+        say("decode ceiling")
+        ceiling = decode_ceiling(root, meta, config.num_workers)
+
+    say("planner, MP4 index, batch mixing")
+    video_bytes = sum(spans.episode_bytes.values())
+    planner = planner_figures(config, video_bytes / max(1, meta.total_frames))
+    index = index_figures(root, meta)
+    ids = [int(e) for e in meta.episode_index]
+    lengths = [meta.frames(e) for e in ids]
+    mixing = [batch_mixing(ids, lengths, config, s, episode_sizes, None)
+              for s in ("pool", "round_robin")]
+    droid = droid_lengths(config.droid_episodes, config.seed)
+    rank = shard.rank_share(list(range(len(droid))), droid, 0, config.droid_ranks)
+    droid_mixing = [batch_mixing(rank, [droid[e] for e in rank], config, s, None,
+                                 MIXING_BATCHES) for s in ("pool", "round_robin")]
+
+    frames = int(meta.total_frames)
+    report = BenchReport(
+        config=config, root=str(root), episodes=int(meta.total_episodes), frames=frames,
+        cameras=len(meta.camera_keys), dataset_bytes=dataset_bytes(root), spans=spans,
+        methods=methods, ceiling=ceiling,
+        ceiling_samples_per_s=ceiling.frames_per_s / delivered_per_sample,
+        span_frames_per_delivered=spans.span_frames / (frames * delivered_per_sample),
+        ttfs_s=ttfs, planner=planner, index=index, mixing=mixing, droid_mixing=droid_mixing,
+        targets=[], notes=notes, seconds=0.0)
+    return replace(report, targets=evaluate_targets(report),
+                   seconds=time.perf_counter() - started)
+
+
+def _with(dataset, config: BenchConfig):
+    return dataset, _loader(dataset, config)
+
+
+def _map_style(root: Path, config: BenchConfig, windows: dict, repeat: int):
+    dataset = MapStyleVideoDataset(root, windows)
+    generator = torch.Generator().manual_seed(config.seed + repeat)
+    return dataset, _loader(dataset, config, shuffle=True, generator=generator)
+
+
+def _first_batch_median(url: str, config: BenchConfig, windows: dict) -> float:
+    passes = [timed_pass(lambda r=r: _with(_streaming(url, config, windows, r), config), 1)
+              for r in range(config.repeats)]
+    return statistics.median(p.first_batch_s for p in passes)
+
+
+def evaluate_targets(report: BenchReport) -> list[Target]:
+    """The issue's targets with the measured values."""
+    c = report.config
+    http = report.method("refstream-http")
+    local = report.method("refstream-local")
+    base = report.method("map-style")
+    amplification = local.amplification or 0.0
+    bound = 0.8 * report.ceiling_samples_per_s / amplification if amplification else 0.0
+    traffic = http.traffic
+    allowed = 1.1 * report.episodes * report.cameras + traffic.data_parquet_requests
+    memory_bound = c.budget_gb * GIB + 300 * MB * max(1, c.num_workers)
+    x1, xn = report.ttfs_s["x1"], report.ttfs_s.get("xN")
+    worst_ttfs = max(x1, xn if xn is not None else 0.0)
+    targets = [
+        ("http_vs_map", f"{http.samples_per_s:.1f} vs {base.samples_per_s:.1f} samples/s = "
+                        f"{_ratio(http.samples_per_s, base.samples_per_s)}x",
+         http.samples_per_s >= 3 * base.samples_per_s),
+        ("vs_ceiling", f"{local.samples_per_s:.1f} samples/s vs 0.8 x "
+                       f"{report.ceiling_samples_per_s:.1f} / {amplification:.2f} = {bound:.1f}",
+         local.samples_per_s >= bound),
+        ("amplification", f"{amplification:.2f} decoded per delivered frame",
+         amplification <= 1.6),
+        ("span_bytes", f"{http.video_bytes:,} vs {report.spans.span_bytes:,} bytes = "
+                       f"{http.video_bytes / report.spans.span_bytes:.3f}x",
+         http.video_bytes <= 1.05 * report.spans.span_bytes),
+        ("requests", f"{traffic.requests} while streaming ({traffic.video_requests} video, "
+                     f"{traffic.data_parquet_requests} data Parquet, {traffic.other_requests} "
+                     f"other) vs {allowed:.1f}; making the dataset: "
+                     f"{http.setup_traffic.requests}", traffic.requests <= allowed),
+        ("memory", f"{http.peak_rss_above_bytes / MB:.0f} MB (PSS "
+                   f"{http.peak_pss_above_bytes / MB:.0f} MB) vs {memory_bound / MB:.0f} MB",
+         http.peak_rss_above_bytes <= memory_bound),
+        ("ttfs", f"x1 {x1:.2f} s" + (f", x{c.ttfs_scale} {xn:.2f} s" if xn is not None else ""),
+         worst_ttfs <= 3.0),
+    ]
+    if xn is not None:
+        targets.append(("ttfs_flat", f"{xn:.2f} s vs 1.5 x {x1:.2f} s", xn <= 1.5 * x1))
+    return [Target(key, TARGET_TEXT[key].replace("xN", f"x{c.ttfs_scale}"), measured, passed)
+            for key, measured, passed in targets]
+
+
+def plot(report: BenchReport, path: str | os.PathLike) -> bool:
+    """Samples delivered and memory over time of one pass per method, as a PNG at ``path``;
+    False (nothing written) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for method in report.methods:
+        run = method.passes[0]
+        times = [0.0] + [t for t, _ in run.batch_times_s]
+        counts = [0] + [n for _, n in run.batch_times_s]
+        top.plot(times, counts, label=f"{method.name} ({method.samples_per_s:.0f}/s)")
+        bottom.plot([t for t, _, _ in run.memory_series],
+                    [p / MB for _, _, p in run.memory_series], label=method.name)
+    top.set_ylabel("samples delivered")
+    top.legend()
+    bottom.set_ylabel("PSS, MB (main + workers)")
+    bottom.set_xlabel("seconds since the dataset was made")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
