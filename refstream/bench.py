@@ -94,10 +94,6 @@ DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
 DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
 PLANNER_TIMED_ANCHORS = 300_000  # anchors emitted to time the planner (a worker has ~1.7 M)
 MIXING_BATCHES = 2_000  # batches per worker compared for mixing on the DROID-sized rank
-# write_demo_dataset's statistics: at most this many frames per statistic, downscaled so the
-# longer side is at most STAT_PIXELS (see _sampled_image_stats).
-STAT_FRAMES = 8
-STAT_PIXELS = 80
 # Targets (issue 6): text shown with each check.
 TARGET_TEXT = {
     "http_vs_map": "refstream over HTTP >= 3x the map-style baseline's samples/s",
@@ -207,13 +203,12 @@ def cached_dataset(config: BenchConfig, episodes: int, progress: Callable[[str],
     root.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
-        with _sampled_image_stats():
-            demo.write_demo_dataset(
-                building, episode_lengths=[config.frames_per_episode] * episodes,
-                cameras=camera_names(config.cameras), size=(config.width, config.height),
-                fps=config.fps, codec=CODECS[config.codec], gop=config.gop,
-                bframes=config.bframes, episodes_per_video_file=config.episodes_per_file,
-                episodes_per_data_file=config.episodes_per_file)
+        demo.write_demo_dataset(
+            building, episode_lengths=[config.frames_per_episode] * episodes,
+            cameras=camera_names(config.cameras), size=(config.width, config.height),
+            fps=config.fps, codec=CODECS[config.codec], gop=config.gop,
+            bframes=config.bframes, episodes_per_video_file=config.episodes_per_file,
+            episodes_per_data_file=config.episodes_per_file)
         os.replace(building, root)  # another bench made it meanwhile: keep theirs
     except OSError:
         if not (root / "meta" / "info.json").exists():
@@ -221,36 +216,6 @@ def cached_dataset(config: BenchConfig, episodes: int, progress: Callable[[str],
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return root
-
-
-@contextlib.contextmanager
-def _sampled_image_stats() -> Iterator[None]:
-    """Let ``write_demo_dataset`` compute image statistics on sampled, downscaled frames.
-
-    Why: it computes them in float64 over every pixel of every frame, per episode and once more
-    over the whole dataset in one array — about 40 ms per frame and camera at 320×240 and many GB
-    for the scaled dataset. LeRobot itself estimates image statistics on sampled, downsampled
-    frames, and refstream never reads them. Rows keep exact statistics. This swaps
-    ``demo._episode_stats`` for the duration of the call only.
-    """
-    original = demo._episode_stats
-
-    def sampled(rows: dict[str, np.ndarray], sizes: dict[str, tuple[int, int]]) -> dict:
-        stats = original(rows, {})
-        count = len(rows["frame_index"])
-        step = max(1, -(-count // STAT_FRAMES))
-        picked = {name: values[::step] for name, values in rows.items()}
-        for camera, (width, height) in sizes.items():
-            shrink = max(1, -(-max(width, height) // STAT_PIXELS))
-            small = {camera: (max(8, width // shrink), max(8, height // shrink))}
-            stats[camera] = original(picked, small)[camera]
-        return stats
-
-    demo._episode_stats = sampled
-    try:
-        yield
-    finally:
-        demo._episode_stats = original
 
 
 def dataset_bytes(root: Path) -> int:
