@@ -100,7 +100,7 @@ def fd_count(pid: int) -> int:
 
 
 def children(exclude: int) -> list[int]:
-    """Live child processes of this process (the DataLoader workers), but ``exclude``."""
+    """Live child processes of this process, but ``exclude``."""
     me, found = os.getpid(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == exclude:
@@ -135,6 +135,7 @@ def soak(url: str, server_pid: int, epochs: int) -> None:
     gc.collect()
     threads_before = set(threading.enumerate())
     fds_before = fd_count(os.getpid())
+    others = set(children(exclude=server_pid))  # e.g. a resource tracker left by earlier tests
     loader = DataLoader(dataset, batch_size=None, num_workers=2)
     iterator = iter(loader)
     main_rss: list[float] = []
@@ -151,7 +152,7 @@ def soak(url: str, server_pid: int, epochs: int) -> None:
                 assert read_frame_label(item[camera].numpy()) == key
             seen[key] = seen.get(key, 0) + 1
         main_rss.append(rss_mb(os.getpid()))
-        for pid in children(exclude=server_pid):
+        for pid in set(children(exclude=server_pid)) - others:
             worker_rss.setdefault(pid, []).append(rss_mb(pid))
             worker_threads.setdefault(pid, []).append(thread_count(pid))
             worker_fds.setdefault(pid, []).append(fd_count(pid))
