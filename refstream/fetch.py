@@ -28,7 +28,8 @@ commit, so the bytes cannot change under it).
 
 HTTP rules (:class:`HTTPSource`):
 
-* One ``requests.Session`` per thread (keep-alive pool per host), ``(connect, read)`` timeouts,
+* One ``requests.Session`` per request in flight, reused (keep-alive pool per host),
+  ``(connect, read)`` timeouts,
   redirects followed by hand (at most :data:`MAX_REDIRECTS`), ``Authorization`` sent only to the
   origin (scheme, host, port) the token belongs to — never to a redirect target elsewhere.
   A commit-pinned source (``hf://datasets``) remembers each file's redirect target and goes
@@ -64,6 +65,7 @@ appear in messages, logs or ``repr``.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import io
 import json
@@ -72,7 +74,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -342,9 +344,9 @@ class HTTPSource:
         self.retry = retry or RetryPolicy()
         self._whole_body_cap_bytes = whole_body_cap_bytes
         self._counters = _Counters()
-        self._local = threading.local()
-        self._sessions: list[requests.Session] = []
-        self._lock = threading.Lock()  # guards _sessions, _sizes, _expected, _targets
+        self._sessions: list[requests.Session] = []  # every session made, closed by close()
+        self._idle: list[requests.Session] = []  # sessions no request is being sent on
+        self._lock = threading.Lock()  # guards the session lists, _sizes, _expected, _targets
         self._sizes: dict[str, int] = {}
         self._expected: dict[str, str] = {}
         self._targets: dict[str, str] = {}  # url -> redirect target (commit-pinned only)
@@ -389,7 +391,7 @@ class HTTPSource:
 
     def close(self) -> None:
         with self._lock:
-            sessions, self._sessions = self._sessions, []
+            sessions, self._sessions, self._idle = self._sessions, [], []
         for session in sessions:
             session.close()
 
@@ -472,18 +474,31 @@ class HTTPSource:
 
     # --- transport ----------------------------------------------------------------------------
 
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[requests.Session]:
+        """A session to send one request on: an idle one, else a new one (kept until close()).
+
+        Not a thread-local: pyarrow calls into Python from its own I/O threads with a fresh
+        thread state each time, so a thread-local session would be one new session (and open
+        connection) per call. Sessions number at most the requests sent at once, and each keeps
+        its connections alive for the next request.
+        """
+        with self._lock:
+            session = self._idle.pop() if self._idle else None
         if session is None:
             session = requests.Session()
             session.auth = _NoNetrc()
             adapter = HTTPAdapter(pool_connections=4, pool_maxsize=4, max_retries=0)
             session.mount("http://", adapter)
             session.mount("https://", adapter)
-            self._local.session = session
             with self._lock:
                 self._sessions.append(session)
-        return session
+        try:
+            yield session
+        finally:
+            with self._lock:
+                if session in self._sessions:  # not closed meanwhile
+                    self._idle.append(session)
 
     def _send(
         self, method: str, url: str, headers: dict[str, str], where: str
@@ -520,10 +535,11 @@ class HTTPSource:
             if self._token and _origin(url) == self._token_origin:
                 sent["Authorization"] = f"Bearer {self._token}"
             try:
-                response = self._session().request(
-                    method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
-                    stream=True,
-                )
+                with self._session() as session:
+                    response = session.request(
+                        method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
+                        stream=True,
+                    )
             except (requests.ConnectionError, requests.Timeout) as exc:
                 raise _Transient(FetchError(f"{where}: {type(exc).__name__}: {exc}")) from exc
             except requests.RequestException as exc:

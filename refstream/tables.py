@@ -68,14 +68,11 @@ class Footers:
         known = self._known.get(relpath)
         if known is None:
             view = RangeFile(source, relpath)
-            parquet = pq.ParquetFile(view, pre_buffer=False)
+            parquet = pq.ParquetFile(view)
             self._known[relpath] = (view.size(), parquet.metadata)
             return parquet
         size, metadata = known
-        # No pre-buffering: it reads on pyarrow's own I/O threads, and every one of them would
-        # open (and keep) its own HTTP session.
-        return pq.ParquetFile(RangeFile(source, relpath, size), metadata=metadata,
-                              pre_buffer=False)
+        return pq.ParquetFile(RangeFile(source, relpath, size), metadata=metadata)
 
 
 def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:
