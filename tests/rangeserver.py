@@ -328,3 +328,13 @@ def _make_handler(server: RangeServer):
             self.wfile.write(body)
 
     return Handler
+
+
+def second_loopback_host() -> str:
+    """127.0.0.2 when it binds (Linux loopback is a /8), else 127.0.0.1 on another port."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+        return "127.0.0.2"
+    except OSError:
+        return "127.0.0.1"

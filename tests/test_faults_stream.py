@@ -32,7 +32,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import socket
 import threading
 import time
 from collections import Counter
@@ -43,7 +42,7 @@ import av
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from rangeserver import Faults, RangeServer
+from rangeserver import Faults, RangeServer, second_loopback_host
 from torch.utils.data import DataLoader
 
 import refstream.stream
@@ -320,12 +319,7 @@ def test_redirect_to_a_second_host_delivers_the_epoch_exactly(dataset_root, orac
 @pytest.fixture
 def second_host() -> str:
     """127.0.0.2 when it binds (Linux loopback is a /8), else 127.0.0.1 on another port."""
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.2", 0))
-        return "127.0.0.2"
-    except OSError:
-        return "127.0.0.1"
+    return second_loopback_host()
 
 
 MIX = Faults(reset=0.05, status_5xx=0.05, short=0.02, too_many=0.01, seed=11)

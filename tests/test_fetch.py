@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -17,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from nginx import nginx_server  # noqa: F401 - pytest fixture
-from rangeserver import Faults, HubConfig, RangeServer, etag_of
+from rangeserver import Faults, HubConfig, RangeServer, etag_of, second_loopback_host
 
 from refstream.conformance import first_difference, load_cases
 from refstream.errors import (
@@ -74,15 +73,6 @@ def http(url: str, **options) -> HTTPSource:
 def blob(folder: Path) -> bytes:
     return (folder / "data" / "blob.bin").read_bytes()
 
-
-def second_loopback_host() -> str:
-    """127.0.0.2 when it binds (Linux loopback is a /8), else 127.0.0.1 (another port)."""
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.2", 0))
-        return "127.0.0.2"
-    except OSError:
-        return "127.0.0.1"
 
 
 # --- local ------------------------------------------------------------------------------------

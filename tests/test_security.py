@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
-from rangeserver import HubConfig, RangeServer
+from rangeserver import HubConfig, RangeServer, second_loopback_host
 from torch.utils.data import DataLoader
 
 from refstream import errors
@@ -39,15 +38,6 @@ def dataset_root(tmp_path_factory) -> Path:
                        episodes_per_video_file=2, episodes_per_data_file=2)
     return root
 
-
-def second_loopback_host() -> str:
-    """127.0.0.2 when it binds (Linux loopback is a /8), else 127.0.0.1 on another port."""
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.2", 0))
-        return "127.0.0.2"
-    except OSError:
-        return "127.0.0.1"
 
 
 @pytest.fixture
