@@ -16,6 +16,7 @@ from refstream.conformance import first_difference, load_cases
 from refstream.errors import MalformedDataset, TableError, UsageError
 from refstream.fetch import HTTPSource, LocalSource, RetryPolicy
 from refstream.tables import (
+    Footers,
     candidate_row_groups,
     conformance_row_group_candidates,
     read_episode_rows,
@@ -109,6 +110,21 @@ def test_one_group_per_episode_reads_only_that_group(tmp_path):
         table = read_episode_rows(source, "data.parquet", episode, length, COLUMNS)
         assert table.equals(oracle(path, episode, COLUMNS))
         assert groups_touched(source, path) == {episode}
+
+
+def test_with_known_footers_an_episode_costs_one_range_inside_its_group(tmp_path):
+    path = tmp_path / "data.parquet"
+    write_file(path, LENGTHS)
+    source, footers = RecordingSource(tmp_path), Footers()
+    read_episode_rows(source, "data.parquet", 0, LENGTHS[0], COLUMNS, footers)  # reads the footer
+    groups = group_byte_ranges(path)
+    for episode, length in LENGTHS.items():
+        source.spans.clear()
+        table = read_episode_rows(source, "data.parquet", episode, length, COLUMNS, footers)
+        assert table.equals(oracle(path, episode, COLUMNS))
+        assert len(source.spans) == 1
+        (offset, size), (begin, end) = source.spans[0], groups[episode]
+        assert begin <= offset and offset + size <= end
 
 
 def test_mixed_groups_read_exactly_the_candidates(tmp_path):
