@@ -77,6 +77,9 @@ class Faults:
     retry_after: str = "0"
     slow_s: float = 2.0
     seed: int = 0
+    # At most this many random faults in a row for one (path, range), 0 for no limit: a test of
+    # survival must not depend on how threads interleave the seeded draws.
+    max_run: int = 0
 
 
 @dataclass
@@ -124,6 +127,7 @@ class RangeServer:
         self._script: list[str] = []
         self._burst_left = 0
         self._burst_status = ""
+        self._runs: dict[tuple[str, str | None], int] = {}  # random faults in a row per request
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._overrides: dict[str, bytes] = {}  # relpath -> replaced content
@@ -175,7 +179,7 @@ class RangeServer:
 
     # --- called by the handler -----------------------------------------------------------
 
-    def _choose_mode(self, is_range: bool) -> str | None:
+    def _choose_mode(self, is_range: bool, key: tuple[str, str | None]) -> str | None:
         """The fault for this request; None means the request budget is spent."""
         with self._lock:
             if len(self.log) >= self.max_requests:
@@ -188,18 +192,26 @@ class RangeServer:
                 return self._burst_status
             if not is_range:
                 return ""
-            f, draw = self.faults, self._rng.random()
-            for mode, p in (("reset", f.reset), ("5xx", f.status_5xx), ("429", f.too_many),
-                            ("short", f.short), ("ignore_range", f.ignore_range),
-                            ("wrong_range", f.wrong_range), ("slow", f.slow)):
-                if draw < p:
-                    if mode == "5xx":
-                        self._burst_status = self._rng.choice(("500", "502", "503"))
-                        self._burst_left = f.burst - 1
-                        return self._burst_status
-                    return mode
-                draw -= p
-            return ""
+            mode = self._random_mode()
+            if mode and self.faults.max_run and self._runs.get(key, 0) >= self.faults.max_run:
+                mode = ""
+            self._runs[key] = self._runs.get(key, 0) + 1 if mode else 0
+            return mode
+
+    def _random_mode(self) -> str:
+        """One seeded draw (the lock is held)."""
+        f, draw = self.faults, self._rng.random()
+        for mode, p in (("reset", f.reset), ("5xx", f.status_5xx), ("429", f.too_many),
+                        ("short", f.short), ("ignore_range", f.ignore_range),
+                        ("wrong_range", f.wrong_range), ("slow", f.slow)):
+            if draw < p:
+                if mode == "5xx":
+                    self._burst_status = self._rng.choice(("500", "502", "503"))
+                    self._burst_left = f.burst - 1
+                    return self._burst_status
+                return mode
+            draw -= p
+        return ""
 
     def _record(self, record: RequestRecord) -> None:
         with self._lock:
@@ -241,7 +253,8 @@ def _make_handler(server: RangeServer):
         def _serve(self, head: bool) -> None:
             path = unquote(urlsplit(self.path).path)
             range_header = self.headers.get("Range")
-            mode = server._choose_mode(range_header is not None and not head)
+            mode = server._choose_mode(range_header is not None and not head,
+                                       (path, range_header))
             self._entry = RequestRecord(
                 method=self.command, path=self.path, range=range_header,
                 authorization="Authorization" in self.headers, headers=dict(self.headers),
