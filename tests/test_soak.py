@@ -47,6 +47,7 @@ EPOCHS = 20
 LONG_EPOCHS = 200
 RSS_TOLERANCE_MB = 8.0
 WARM_EPOCHS = slice(2, 7)  # epochs 3-7 (1-based)
+POOL_SLACK = 2  # threads or descriptors a lazily grown pool may add after the warm epochs
 CLOSE_WAIT_S = 10.0
 
 SERVER_SCRIPT = """
@@ -124,9 +125,11 @@ def growth_mb(series: list[float]) -> float:
 
 
 def grew(counts: list[int]) -> bool:
-    """Whether a count rose: the median of the last 5 epochs above that of epochs 3-7 (a median,
-    because PyArrow and dav1d start helper threads for a moment now and then)."""
-    return float(np.median(counts[-5:])) > float(np.median(counts[WARM_EPOCHS]))
+    """Whether a count kept rising: the median of the last 5 epochs above the highest of epochs
+    3-7 by more than ``POOL_SLACK`` (a median, because PyArrow and dav1d start helper threads for
+    a moment now and then; a slack, because thread and session pools grow lazily to their bound
+    when a later epoch first needs one more). A leak of one per epoch exceeds it by ~10."""
+    return float(np.median(counts[-5:])) > max(counts[WARM_EPOCHS]) + POOL_SLACK
 
 
 def soak(url: str, server_pid: int, epochs: int) -> None:
