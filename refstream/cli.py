@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from refstream.errors import RefstreamError
+from refstream.errors import RefstreamError, UsageError
 
 # Sub-commands register here as (add_parser_function) in the order the help lists them.
 COMMANDS: list = []
@@ -23,6 +23,16 @@ def _print_summary(summary: dict, as_json: bool) -> None:
     else:
         for key, value in summary.items():
             print(f"{key}: {value}")
+
+
+def _episode_ids(text: str | None) -> list[int] | None:
+    """``--episodes 3,7,9`` as a list of ids; None (all episodes) when not given."""
+    if not text:
+        return None
+    try:
+        return [int(e) for e in text.split(",") if e.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--episodes: {exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +122,13 @@ def add_stream(subparsers) -> None:
 def run_stream(args) -> int:
 
     from refstream.demo import consume
-    from refstream.errors import UsageError
     from refstream.stream import StreamingDataset
 
+    episodes = _episode_ids(args.episodes)
     try:
-        episodes = ([int(e) for e in args.episodes.split(",") if e.strip()]
-                    if args.episodes else None)
         windows = json.loads(args.delta_timestamps) if args.delta_timestamps else None
     except ValueError as exc:
-        raise UsageError(f"--episodes or --delta-timestamps: {exc}") from exc
+        raise UsageError(f"--delta-timestamps: {exc}") from exc
     dataset = StreamingDataset(args.root, episodes=episodes, delta_timestamps=windows,
                                seed=args.seed, byte_budget_gb=args.byte_budget_gb,
                                batch_size=args.batch_size)
@@ -165,15 +173,11 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
 
-    from refstream.errors import UsageError
     from refstream.fetch import LocalSource
     from refstream.meta import load_meta, select_episodes
     from refstream.planner import plan_summary
 
-    try:
-        chosen = [int(e) for e in args.episodes.split(",") if e.strip()] if args.episodes else None
-    except ValueError as exc:
-        raise UsageError(f"--episodes: {exc}") from exc
+    chosen = _episode_ids(args.episodes)
     if args.limit < 0:
         raise UsageError(f"--limit must be 0 (all) or positive, got {args.limit}")
     meta = load_meta(LocalSource(args.root))
@@ -257,7 +261,6 @@ def add_inspect(subparsers) -> None:
 def run_inspect(args) -> int:
     import os
 
-    from refstream.errors import UsageError
     from refstream.mp4 import describe
 
     try:
@@ -347,7 +350,6 @@ def run_bench(args) -> int:
 
     from refstream.bench import BenchConfig, plot
     from refstream.bench import run_bench as bench
-    from refstream.errors import UsageError
 
     overrides = {name: getattr(args, name) for name in (
         "root", "episodes", "frames_per_episode", "cameras", "gop", "bframes", "pool_size",
