@@ -24,7 +24,8 @@ What one run does, all with the same DataLoader settings (workers, batch size,
    batches per repeat; ``download-then-read`` copies every file of the dataset over loopback HTTP
    into a temporary folder and then reads it like ``map-style`` (its time to first sample
    includes the download); ``decode-ceiling`` decodes the same episodes sequentially with PyAV
-   and converts them to RGB in ``num_workers`` processes, no loader.
+   and converts them to RGB the way refstream's decoder does (one reused single-threaded rgb24
+   converter), in ``num_workers`` processes, no loader.
 3. **Figures per pass.** samples/s in steady state (over the second half of the pass's batches:
    the first half fills the DataLoader's prefetch pipeline; the median over repeats), time to the
    first batch, CPU seconds
@@ -34,11 +35,9 @@ What one run does, all with the same DataLoader settings (workers, batch size,
    requests (video spans, data Parquet, the rest) and video bytes, compared with the minimal span
    bytes (``synth.select_span`` of every episode and camera) and the dataset size.
 4. **Decode amplification** = decoded frames ÷ delivered frames (delivered = samples × cameras
-   × ``camera_window``). ``decode.py`` exposes no counter, so refstream's is *measured* on an
-   in-process pass of ``amplification_samples`` samples during which ``EpisodeDecoder``'s PyAV
-   container is wrapped in one that counts the frames its ``decode()`` yields; the baseline counts
-   its own decodes. Also printed, as the brief asks when no counter exists: frames in the fetched
-   spans ÷ frames delivered over an epoch.
+   × ``camera_window``), counted in the timed passes themselves: refstream's workers publish
+   ``decoded_frames`` (``StreamingDataset.worker_stats``), the baselines count their own decodes.
+   Also printed: frames in the fetched spans ÷ frames delivered over an epoch.
 5. **Other figures.** Planner anchors/s and resume fast-forward (``skip`` to the last anchor) for
    one worker of a DROID-sized rank (``droid_episodes`` synthetic episode lengths over
    ``droid_ranks`` ranks); MP4 index samples/s and bytes read (``mp4.parse_index`` over every video
@@ -74,6 +73,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 import torch
+from av.video.reformatter import VideoReformatter
 
 from refstream import demo, shard, synth
 from refstream.errors import UsageError
@@ -135,7 +135,6 @@ class BenchConfig:
     camera_window: int = 2  # frames ending at the anchor, every camera
     action_window: int = 16  # steps starting at the anchor
     baseline_batches: int = 24  # map-style and download-then-read batches per repeat
-    amplification_samples: int = 256
     ttfs_scale: int = 8  # the larger dataset for time to first sample: episodes x this
     droid_episodes: int = DROID_EPISODES
     droid_ranks: int = 8
@@ -147,7 +146,7 @@ class BenchConfig:
         """A tiny configuration that runs in seconds (smoke tests, ``--quick``)."""
         tiny = dict(episodes=4, frames_per_episode=12, cameras=2, width=64, height=48,
                     episodes_per_file=2, num_workers=1, batch_size=4, repeats=1,
-                    action_window=4, baseline_batches=2, amplification_samples=16,
+                    action_window=4, baseline_batches=2,
                     ttfs_scale=2, droid_episodes=2_000, droid_ranks=2)
         return cls(**{**tiny, **overrides})
 
@@ -156,7 +155,7 @@ class BenchConfig:
             raise UsageError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
         positive = ("episodes", "frames_per_episode", "cameras", "width", "height", "gop", "fps",
                     "episodes_per_file", "batch_size", "repeats", "camera_window",
-                    "action_window", "baseline_batches", "amplification_samples", "ttfs_scale",
+                    "action_window", "baseline_batches", "ttfs_scale",
                     "droid_episodes", "droid_ranks")
         for name in positive:
             if getattr(self, name) < 1:
@@ -530,10 +529,12 @@ def _lerobot_dtype(values) -> np.ndarray:
 
 
 def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float, float]:
-    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB:
-    (episode frames, decoded frames, decode seconds, RGB conversion seconds)."""
+    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB
+    the way ``refstream.decode`` does (one reused single-threaded rgb24 converter): (episode
+    frames, decoded frames, decode seconds, RGB conversion seconds)."""
     episode_frames = decoded = 0
     decode_s = rgb_s = 0.0
+    converter = VideoReformatter()
     containers: dict[str, av.container.InputContainer] = {}
     try:
         for path, from_s, to_s in jobs:
@@ -551,7 +552,7 @@ def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float,
                 if frame.time < from_s - TOLERANCE_S:
                     continue  # before the episode: decoded from the keyframe, not delivered
                 started = time.perf_counter()
-                frame.to_ndarray(format="rgb24")
+                converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
                 rgb_s += time.perf_counter() - started
                 episode_frames += 1
     finally:
@@ -595,61 +596,6 @@ def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
 
 
 # --- decode amplification of refstream --------------------------------------------------------
-
-
-class _CountingContainer:
-    """A PyAV input container whose ``decode()`` counts the frames it yields."""
-
-    def __init__(self, container, counter: list[int], lock: threading.Lock) -> None:
-        self._container = container
-        self._counter = counter
-        self._lock = lock
-
-    def decode(self, *args, **kwargs):
-        for frame in self._container.decode(*args, **kwargs):
-            with self._lock:
-                self._counter[0] += 1
-            yield frame
-
-    def __getattr__(self, name: str):
-        return getattr(self._container, name)
-
-
-@contextlib.contextmanager
-def counting_decodes() -> Iterator[list[int]]:
-    """Count every frame ``refstream.decode.EpisodeDecoder`` decodes in this process.
-
-    decode.py has no counter, so its container is wrapped while the block runs (``[count]``)."""
-    from refstream import decode
-
-    original = decode.EpisodeDecoder._open
-    counter, lock = [0], threading.Lock()
-
-    def counted(self):
-        return _CountingContainer(original(self), counter, lock)
-
-    decode.EpisodeDecoder._open = counted
-    try:
-        yield counter
-    finally:
-        decode.EpisodeDecoder._open = original
-
-
-def refstream_decode_count(root: str, config: BenchConfig, delta_timestamps: dict,
-                           samples: int) -> tuple[int, int]:
-    """(decoded frames, samples) over ``samples`` samples of an in-process stream."""
-    with counting_decodes() as counter:
-        dataset = _streaming(root, config, delta_timestamps, epoch=0)
-        stream = iter(dataset)
-        taken = 0
-        try:
-            for _ in range(samples):
-                if next(stream, None) is None:
-                    break
-                taken += 1
-        finally:
-            stream.close()
-        return counter[0], taken
 
 
 # --- planner, index, mixing -------------------------------------------------------------------
@@ -1009,8 +955,6 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     notes = [
         "the machine's cores are shared with other work: figures are medians over repeats and "
         "still noisy",
-        "decode amplification of refstream is counted by wrapping decode.EpisodeDecoder's PyAV "
-        "container in-process (decode.py exposes no counter); the baseline counts its decodes",
     ]
     with tempfile.TemporaryDirectory(prefix="refstream-bench-") as scratch, \
             _environment(CACHE_ENV, str(Path(scratch) / "cache")):
@@ -1077,12 +1021,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             sum(p.samples for p in passes) * delivered_per_sample)
         methods.insert(0, Method("map-style", passes, amplification=map_amp))
 
-        say("decode amplification of refstream (in-process, counted)")
-        decoded, taken = refstream_decode_count(local_root, config, windows,
-                                                config.amplification_samples)
-        amplification = decoded / (taken * delivered_per_sample)
-        methods = [replace(m, amplification=amplification) if m.name.startswith("refstream")
-                   else m for m in methods]
+        methods = [replace(m, amplification=_worker_amplification(m.passes, delivered_per_sample))
+                   if m.name.startswith("refstream") else m for m in methods]
 
         say("decode ceiling")
         ceiling = decode_ceiling(root, meta, config.num_workers)
@@ -1111,6 +1051,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         targets=[], notes=notes, seconds=0.0)
     return replace(report, targets=evaluate_targets(report),
                    seconds=time.perf_counter() - started)
+
+
+def _worker_amplification(passes: list[Pass], delivered_per_sample: int) -> float:
+    """Decoded ÷ delivered frames over refstream passes, from the workers' counters."""
+    decoded = sum(w["decoded_frames"] for p in passes for w in p.worker_stats)
+    return decoded / (sum(p.samples for p in passes) * delivered_per_sample)
 
 
 def _with(dataset, config: BenchConfig):

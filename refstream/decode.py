@@ -4,20 +4,25 @@ The only module that imports PyAV. Two pieces:
 
 ``EpisodeDecoder(mp4_bytes, label)``
     One open PyAV container over the bytes of a synthesized episode video (or any MP4 held in
-    memory). ``frames_at(local_times_s, tolerance_s)`` returns the frames presented at the
+    memory). ``frames_at(local_times_s, tolerance_s, dtype)`` returns the frames presented at the
     requested times, which are *local* seconds: the episode video's presentation timeline, on which
     the span's first presented frame is at 0 (``synth`` writes an edit list that puts it there, and
     FFmpeg reports timestamps after the edit list). Requests may repeat and come in any order.
+    ``decoded_frames`` counts the frames the decoder has produced (decode amplification).
 
 ``DecoderCache(capacity)``
     A bounded LRU of open decoders keyed ``(episode, camera)``, safe to share between threads:
-    ``frames_at(key, mp4_bytes, local_times_s, tolerance_s)`` opens the key's decoder on first use
-    (``mp4_bytes`` may be a callable so the bytes are only produced when needed) and decodes under
-    that decoder's own lock; ``discard(key)`` closes one; ``close()`` closes all.
+    ``frames_at(key, mp4_bytes, local_times_s, tolerance_s, dtype)`` opens the key's decoder on
+    first use (``mp4_bytes`` may be a callable so the bytes are only produced when needed) and
+    decodes under that decoder's own lock; ``discard(key)`` closes one; ``close()`` closes all;
+    ``decoded_frames`` sums the frames decoded by every decoder it opened.
 
-Output: ``uint8`` arrays of shape ``(T, 3, H, W)`` (RGB, channels first, request order) — the
-layout LeRobot's map-style items use for cameras; ``to_float_chw`` turns them into ``float32`` in
-``[0, 1]``.
+Output: arrays of shape ``(T, 3, H, W)`` (RGB, channels first, request order) — the layout
+LeRobot's map-style items use for cameras — of ``dtype`` ``uint8`` (the RGB values) or
+``float32`` (value / 255, rounded once as float32, as LeRobot's ``float32(frames) / 255``).
+The RGB values are FFmpeg's ``rgb24`` conversion of the decoded picture, the same as PyAV's
+``frame.to_ndarray(format="rgb24")``; each decoder keeps one single-threaded converter (building
+and freeing a converter per frame, with its thread pool, cost 4x the conversion itself).
 
 Selection rule (normative: spec §9.8; ``select_frames`` is step 2 alone), ``tb`` the time base:
 
@@ -50,6 +55,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from refstream.errors import DecodeError, FrameNotFound, UsageError
 
@@ -58,9 +64,12 @@ __all__ = [
     "DecoderCache",
     "default_decoder_capacity",
     "select_frames",
-    "to_float_chw",
+    "PIXEL_DTYPES",
     "conformance_frame_select",
 ]
+
+
+PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 
 
 class EpisodeDecoder:
@@ -70,6 +79,8 @@ class EpisodeDecoder:
         self.label = label
         self._bytes = mp4_bytes
         self._container = self._open()
+        self._converter = VideoReformatter()
+        self.decoded_frames = 0
         stream = self._container.streams.video[0]
         self.time_base: Fraction = stream.time_base
         self.width: int = stream.codec_context.width
@@ -102,14 +113,18 @@ class EpisodeDecoder:
         self.close()
 
     def frames_at(
-        self, local_times_s: Sequence[float] | np.ndarray, tolerance_s: float
+        self, local_times_s: Sequence[float] | np.ndarray, tolerance_s: float,
+        dtype: np.dtype | type = np.uint8,
     ) -> np.ndarray:
-        """uint8 ``(T, 3, H, W)`` frames presented at ``local_times_s`` (seconds, request order)."""
+        """``(T, 3, H, W)`` frames presented at ``local_times_s`` (seconds, request order), as
+        ``uint8`` RGB or ``float32`` RGB / 255 (module docstring)."""
         times_s = np.asarray(local_times_s, dtype=np.float64).reshape(-1)
         if not (tolerance_s >= 0 and np.all(np.isfinite(times_s))):
             raise UsageError(f"{self.label}: times must be finite and tolerance_s >= 0")
+        if np.dtype(dtype) not in PIXEL_DTYPES:
+            raise UsageError(f"{self.label}: frames come as uint8 or float32, not {dtype}")
         if times_s.size == 0:
-            return np.empty((0, 3, self.height, self.width), np.uint8)
+            return np.empty((0, 3, self.height, self.width), dtype)
         # Exact rational arithmetic, so the window never loses a frame to rounding.
         tolerance = Fraction(tolerance_s)
         lo_ticks = math.floor((Fraction(float(times_s.min())) - tolerance) / self.time_base)
@@ -124,16 +139,26 @@ class EpisodeDecoder:
         decoded = self._decode_window(lo_ticks, hi_ticks, start_ticks, stop_ticks)
         pts_ticks = np.array(sorted(decoded), dtype=np.int64)
         chosen = select_frames(pts_ticks, self.time_base, times_s, tolerance_s, self.label)
-        # Only the chosen frames are converted to RGB, each once however often it is requested.
+        # Only the chosen frames are converted to RGB, each once however often it is requested,
+        # straight into the output (the assignment casts to float32 where asked).
+        out = np.empty((times_s.size, 3, self.height, self.width), dtype)
+        first_request: dict[int, int] = {}
+        for i, position in enumerate(chosen.tolist()):
+            if position in first_request:
+                out[i] = out[first_request[position]]
+                continue
+            first_request[position] = i
+            out[i] = self._rgb(decoded[int(pts_ticks[position])]).transpose(2, 0, 1)
+        if out.dtype == np.float32:
+            np.divide(out, np.float32(255), out=out)  # float32(v) / float32(255), exactly rounded
+        return out
+
+    def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
+        """``(H, W, 3)`` uint8: FFmpeg's rgb24 conversion, as ``to_ndarray(format="rgb24")``."""
         try:
-            rgb = {int(p): decoded[int(pts_ticks[p])].to_ndarray(format="rgb24")
-                   for p in set(chosen)}
+            return self._converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
         except av.FFmpegError as exc:
             raise DecodeError(f"{self.label}: PyAV cannot convert a frame to RGB: {exc}") from exc
-        out = np.empty((times_s.size, 3, self.height, self.width), np.uint8)
-        for i, position in enumerate(chosen):
-            out[i] = rgb[int(position)].transpose(2, 0, 1)
-        return out
 
     def _decode_window(self, lo_ticks: int, hi_ticks: int, start_ticks: int,
                        stop_ticks: int) -> dict[int, av.VideoFrame]:
@@ -172,6 +197,7 @@ class EpisodeDecoder:
         frames: dict[int, av.VideoFrame] = {}
         first_pts = None
         for frame in self._container.decode(stream):
+            self.decoded_frames += 1
             if frame.pts is None:
                 raise DecodeError(f"{self.label}: a decoded frame has no presentation time")
             if first_pts is None:
@@ -233,11 +259,6 @@ def conformance_frame_select(case: dict) -> dict:
     return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
 
-def to_float_chw(frames_uint8: np.ndarray) -> np.ndarray:
-    """``float32`` copy of uint8 frames scaled to ``[0, 1]`` (value / 255), same shape."""
-    return frames_uint8.astype(np.float32) / np.float32(255)
-
-
 def default_decoder_capacity(pool_size: int, cameras: int) -> int:
     """One open decoder per camera of every episode in the pool."""
     return max(1, pool_size * cameras)
@@ -269,6 +290,7 @@ class DecoderCache:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self.decoded_frames = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -285,6 +307,7 @@ class DecoderCache:
         mp4_bytes: bytes | Callable[[], bytes],
         local_times_s: Sequence[float] | np.ndarray,
         tolerance_s: float,
+        dtype: np.dtype | type = np.uint8,
     ) -> np.ndarray:
         """Frames of ``key``'s video at ``local_times_s`` (see ``EpisodeDecoder.frames_at``)."""
         episode, camera = key
@@ -296,7 +319,12 @@ class DecoderCache:
                 if entry.decoder is None:
                     data = mp4_bytes() if callable(mp4_bytes) else mp4_bytes
                     entry.decoder = EpisodeDecoder(data, f"episode {episode} camera {camera}")
-                return entry.decoder.frames_at(local_times_s, tolerance_s)
+                before = entry.decoder.decoded_frames
+                try:
+                    return entry.decoder.frames_at(local_times_s, tolerance_s, dtype)
+                finally:
+                    with self._lock:
+                        self.decoded_frames += entry.decoder.decoded_frames - before
 
     def _checkout(self, key: Hashable) -> _Entry:
         with self._lock:

@@ -90,7 +90,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from refstream import shard, synth
 from refstream.budget import ByteBudget
-from refstream.decode import DecoderCache, to_float_chw
+from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
@@ -119,7 +119,7 @@ _EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS = range(4)
 # Per-worker counters every worker publishes in shared memory (for the demo, benches and tests);
 # workers with an id beyond MAX_TRACKED_WORKERS stream normally but publish nothing.
 STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
-               "fetch_requests", "fetch_bytes")
+               "fetch_requests", "fetch_bytes", "decoded_frames")
 MAX_TRACKED_WORKERS = 64
 
 
@@ -216,8 +216,9 @@ class StreamingDataset(IterableDataset):
     def worker_stats(self) -> list[dict[str, int]]:
         """Counters of each DataLoader worker of the current or last iteration (worker id
         order; with ``num_workers=0`` the one entry is the main process). ``samples`` counts
-        samples yielded, ``peak_reserved_bytes`` the byte budget's high-water mark, and
-        ``fetch_*`` the source's requests and bytes since the worker started."""
+        samples yielded, ``peak_reserved_bytes`` the byte budget's high-water mark,
+        ``fetch_*`` the source's requests and bytes since the worker started, and
+        ``decoded_frames`` the video frames decoded (not only those delivered)."""
         rows = self._stats.tolist()
         return [dict(zip(STAT_FIELDS, row, strict=True)) for row in rows if row[0] or row[1]]
 
@@ -479,6 +480,7 @@ class _WorkerStream:
             "evictions": budget.evictions if budget else 0,
             "fetch_requests": fetched["requests"],
             "fetch_bytes": fetched["bytes"],
+            "decoded_frames": self.decoders.decoded_frames,
         }
         self.stats.copy_(torch.tensor([values[name] for name in STAT_FIELDS]))
 
@@ -610,8 +612,9 @@ class _WorkerStream:
                 np.float64)
             video = data.videos[camera]
             frames = self.decoders.frames_at((episode, camera), video.mp4,
-                                             query_s - video.start_s, self.ds.tolerance_s)
-            pixels = torch.from_numpy(frames if self.ds.return_uint8 else to_float_chw(frames))
+                                             query_s - video.start_s, self.ds.tolerance_s,
+                                             np.uint8 if self.ds.return_uint8 else np.float32)
+            pixels = torch.from_numpy(frames)
             item[camera] = pixels[0] if len(rows) == 1 else pixels  # LeRobot's squeeze(0)
         task_index = int(data.rows["task_index"][frame])
         item["task"] = self.meta.tasks[task_index]

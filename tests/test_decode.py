@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
 from refstream import decode
-from refstream.decode import DecoderCache, EpisodeDecoder, default_decoder_capacity, to_float_chw
+from refstream.decode import DecoderCache, EpisodeDecoder, default_decoder_capacity
 from refstream.errors import DecodeError, FrameNotFound, RefstreamError, UsageError
 from refstream.mp4 import parse_index_bytes
 from refstream.synth import select_span, synthesize
@@ -112,14 +113,43 @@ def test_no_request_gives_an_empty_batch(videos):
         assert decoder.frames_at([], tolerance_s=1e-4).shape == (0, 3, 48, 64)
 
 
-def test_float_conversion_is_value_over_255_channels_first(videos):
-    data, oracle = videos["av1"]
+@pytest.mark.parametrize("name", ["av1", "h264-bframes"])
+def test_float_frames_are_the_oracle_over_255_as_lerobot_divides(videos, name):
+    # LeRobot: torch float32(frames) / 255 — compared bit for bit, repeats and any order.
+    data, oracle = videos[name]
     with EpisodeDecoder(data) as decoder:
-        frames = decoder.frames_at([0.0], tolerance_s=1e-4)
-    converted = to_float_chw(frames)
-    assert converted.dtype == np.float32 and converted.shape == frames.shape
-    np.testing.assert_array_equal(converted * 255, frames.astype(np.float32))
-    assert 0.0 <= converted.min() and converted.max() <= 1.0
+        pts = sorted(oracle)
+        wanted = [pts[5], pts[0], pts[5], pts[-1]]
+        frames = decoder.frames_at([seconds(decoder, p) for p in wanted], 1e-4, np.float32)
+    expected = torch.stack([torch.from_numpy(chw(oracle[p]).copy()) for p in wanted])
+    expected = expected.to(torch.float32) / 255
+    assert frames.dtype == np.float32
+    np.testing.assert_array_equal(frames.view(np.uint32), expected.numpy().view(np.uint32))
+
+
+def test_only_uint8_and_float32_frames(videos):
+    with EpisodeDecoder(videos["av1"][0]) as decoder, pytest.raises(UsageError, match="float32"):
+        decoder.frames_at([0.0], 1e-4, np.float64)
+
+
+@pytest.mark.parametrize("name", ["h264-ipp", "h264-bframes"])
+def test_decoded_frames_counts_what_the_decoder_produced(videos, name):
+    # Oracle: a request decodes from the keyframe at or before it up to the last frame asked,
+    # frames leaving the decoder in presentation order (B-frames or not).
+    data, oracle = videos[name]
+    pts = sorted(oracle)
+    cache = DecoderCache(2)
+    with EpisodeDecoder(data) as decoder:
+        decoder.frames_at([seconds(decoder, pts[0])], 1e-4)
+        assert decoder.decoded_frames == 1
+        decoder.frames_at([seconds(decoder, pts[3]), seconds(decoder, pts[1])], 1e-4)
+        assert decoder.decoded_frames == 1 + 4  # presented 0..3, from the keyframe at 0
+        total = decoder.decoded_frames
+    cache.frames_at((0, "a"), data, [seconds(decoder, pts[0])], 1e-4)
+    cache.frames_at((0, "a"), data, [seconds(decoder, pts[3]), seconds(decoder, pts[1])], 1e-4)
+    cache.frames_at((1, "a"), data, [seconds(decoder, pts[0])], 1e-4)
+    assert cache.decoded_frames == total + 1
+    cache.close()
 
 
 def test_bytes_that_are_not_a_video_raise_decode_error(videos):
@@ -170,14 +200,14 @@ class Recorder:
         original_frames_at, original_close = EpisodeDecoder.frames_at, EpisodeDecoder.close
         recorder = self
 
-        def frames_at(decoder, times_s, tolerance_s):
+        def frames_at(decoder, times_s, tolerance_s, dtype=np.uint8):
             with recorder.lock:
                 recorder.seen.append(decoder)
                 recorder.active[id(decoder)] = recorder.active.get(id(decoder), 0) + 1
                 recorder.max_overlap = max(recorder.max_overlap, recorder.active[id(decoder)])
             try:
                 time.sleep(slow_s)
-                return original_frames_at(decoder, times_s, tolerance_s)
+                return original_frames_at(decoder, times_s, tolerance_s, dtype)
             finally:
                 with recorder.lock:
                     recorder.active[id(decoder)] -= 1
