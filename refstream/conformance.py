@@ -54,6 +54,7 @@ ADAPTERS: dict[str, str] = {
     "meta": "refstream.meta:conformance_meta",
     "windows": "refstream.windows:conformance_windows",
     "range_response": "refstream.fetch:conformance_range_response",
+    "suffix_response": "refstream.fetch:conformance_suffix_response",
     "hf_url": "refstream.fetch:conformance_hf_url",
     "row_group_candidates": "refstream.tables:conformance_row_group_candidates",
     "budget_ops": "refstream.budget:conformance_budget_ops",

@@ -6,12 +6,15 @@ Every source answers the same calls, with paths relative to the dataset root (ch
     source = open_source(root)            # a folder, file://, http(s)://, hf://datasets|buckets
     source.read_bytes(relpath) -> bytes   # a whole (metadata) file
     source.read_range(relpath, offset, length) -> bytes   # exactly `length` bytes or an error
+    source.read_tail(relpath, length) -> (bytes, size)    # the last min(length, size) bytes and
+                                          # the file's size, in one request (Parquet footers)
     source.size(relpath) -> int           # bytes
     source.identity(relpath) -> str       # what changes when the file changes ("" if unknown)
     source.expect_identity(relpath, ident)   # later reads of relpath raise PayloadChanged if the
                                              # file's identity differs from `ident`
     source.stats() -> dict                # requests, bytes, retries, redirects, refreshes
-    RangeFile(source, relpath)            # file-like view: pq.ParquetFile(RangeFile(...))
+    RangeFile(source, relpath[, size, tail])   # file-like view: pq.ParquetFile(RangeFile(...));
+                                               # reads inside a known tail cost no request
 
 ``stats()`` counts, since the source was made: ``requests`` (local reads, or HTTP requests sent,
 each redirect hop included), ``bytes`` (payload bytes received), ``retries`` (attempts after
@@ -35,7 +38,9 @@ HTTP rules (:class:`HTTPSource`):
   A commit-pinned source (``hf://datasets``) remembers each file's redirect target and goes
   there directly; a target answering 401/403/404/410 (expired signature) is re-resolved once.
   ``.netrc`` credentials are never picked up; environment proxies are.
-* One range per request, ``Range: bytes=a-b``. A **206** is accepted only when
+* One range per request, ``Range: bytes=a-b`` (``read_tail``: the suffix ``bytes=-n``, judged by
+  :func:`plan_suffix_response`: a 206 must state the size and cover exactly the last
+  ``min(n, size)`` bytes; a 200 follows the rule below). A **206** is accepted only when
   ``Content-Range`` is ``bytes a-b/T`` for exactly the asked ``a-b`` and the body has exactly
   ``b-a+1`` bytes. ``T`` must equal the size seen before (else :class:`PayloadChanged`); a range
   that ends past ``T`` is :class:`ShortRead`. Any other ``Content-Range`` is
@@ -108,9 +113,11 @@ __all__ = [
     "parse_hf_root",
     "HfRoot",
     "plan_range_response",
+    "plan_suffix_response",
     "RangePlan",
     "parse_retry_after",
     "conformance_range_response",
+    "conformance_suffix_response",
     "conformance_hf_url",
     "WHOLE_BODY_CAP_BYTES",
     "RETRY_STATUSES",
@@ -137,6 +144,7 @@ class Source(Protocol):
 
     def read_bytes(self, relpath: str) -> bytes: ...
     def read_range(self, relpath: str, offset: int, length: int) -> bytes: ...
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]: ...
     def size(self, relpath: str) -> int: ...
     def identity(self, relpath: str) -> str: ...
     def expect_identity(self, relpath: str, identity: str) -> None: ...
@@ -166,6 +174,11 @@ def _check_span(where: str, offset: int, length: int) -> None:
         raise UsageError(f"{where}: invalid byte range offset={offset} length={length}")
 
 
+def _check_tail(where: str, length: int) -> None:
+    if length < 1:
+        raise UsageError(f"{where}: a tail read needs a positive length, got {length}")
+
+
 def _byte_range(offset: int, length: int) -> str:
     return f"bytes {offset}-{offset + length - 1}"
 
@@ -192,6 +205,11 @@ class LocalSource:
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         return self._read(relpath, offset, length)
+
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
+        _check_tail(str(self._path(relpath)), length)
+        size = self.size(relpath)
+        return self.read_range(relpath, size - min(length, size), min(length, size)), size
 
     def _read(self, relpath: str, offset: int, length: int | None) -> bytes:
         """``length`` bytes at ``offset``; ``None`` means to the end of the file."""
@@ -360,14 +378,31 @@ class HTTPSource:
         return f"{self.base_url}/{quote(check_relpath(relpath), safe='/')}"
 
     def read_bytes(self, relpath: str) -> bytes:
-        return self._fetch(self.url(relpath), relpath, None)
+        url = self.url(relpath)
+        return self._fetch(url, url, relpath, None, None)
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         url = self.url(relpath)
         _check_span(url, offset, length)
         if length == 0:
             return b""
-        return self._fetch(url, relpath, (offset, offset + length - 1))
+        first, last = offset, offset + length - 1
+        where = f"{url} bytes {first}-{last}"
+        return self._fetch(url, where, relpath, f"bytes={first}-{last}",
+                           lambda status, headers, known: plan_range_response(
+                               first, last, status, headers, known_size=known,
+                               whole_body_cap_bytes=self._whole_body_cap_bytes, where=where))
+
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
+        url = self.url(relpath)
+        _check_tail(url, length)
+        where = f"{url} bytes -{length}"  # HTTP's suffix form: the last `length` bytes
+        body = self._fetch(url, where, relpath, f"bytes=-{length}",
+                           lambda status, headers, known: plan_suffix_response(
+                               length, status, headers, known_size=known,
+                               whole_body_cap_bytes=self._whole_body_cap_bytes, where=where))
+        with self._lock:
+            return body, self._sizes[relpath]
 
     def size(self, relpath: str) -> int:
         with self._lock:
@@ -397,7 +432,7 @@ class HTTPSource:
 
     def get_json_url(self, url: str) -> object:
         """GET an absolute URL (e.g. a Hub API call) with the same retries and auth rules."""
-        body = self._fetch(url, None, None)
+        body = self._fetch(url, url, None, None, None)
         try:
             return json.loads(body)
         except ValueError as exc:
@@ -405,9 +440,11 @@ class HTTPSource:
 
     # --- one logical request: retries around attempts -----------------------------------------
 
-    def _fetch(self, url: str, relpath: str | None, span: tuple[int, int] | None) -> bytes:
-        where = url if span is None else f"{url} bytes {span[0]}-{span[1]}"
-        return self._retrying(where, lambda: self._attempt(url, where, relpath, span))
+    def _fetch(self, url: str, where: str, relpath: str | None, range_header: str | None,
+               judge: Callable[[int, CaseInsensitiveDict, int | None], RangePlan] | None) -> bytes:
+        """GET ``url`` (with ``range_header``, whose answers ``judge`` plans) with retries."""
+        return self._retrying(where, lambda: self._attempt(url, where, relpath, range_header,
+                                                           judge))
 
     def _retrying(self, where: str, attempt: Callable[[], _T]) -> _T:
         """Run ``attempt`` until it does not raise ``_Transient``, at most max_attempts times."""
@@ -425,27 +462,25 @@ class HTTPSource:
         ) from last
 
     def _attempt(
-        self, url: str, where: str, relpath: str | None, span: tuple[int, int] | None
+        self, url: str, where: str, relpath: str | None, range_header: str | None,
+        judge: Callable[[int, CaseInsensitiveDict, int | None], RangePlan] | None,
     ) -> bytes:
-        headers = {} if span is None else {"Range": f"bytes={span[0]}-{span[1]}"}
+        headers = {} if range_header is None else {"Range": range_header}
         response, hops = self._send("GET", url, headers, where)
         try:
-            if span is None:
+            if judge is None:
                 body = self._read_whole(response, where)
             else:
                 with self._lock:
                     known = None if relpath is None else self._sizes.get(relpath)
-                plan = plan_range_response(
-                    span[0], span[1], response.status_code, response.headers, known_size=known,
-                    whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
-                )
+                plan = judge(response.status_code, response.headers, known)
                 body = self._read_body(response, where, plan.body_bytes)
                 if len(body) < plan.body_bytes:
                     raise _Transient(ShortRead(
                         f"{where}: body has {len(body)} of {plan.body_bytes} bytes"))
                 if len(body) > plan.body_bytes:
                     raise BadRangeResponse(f"{where}: body longer than {plan.body_bytes} bytes")
-                body = body[plan.skip_bytes : plan.skip_bytes + span[1] - span[0] + 1]
+                body = body[plan.skip_bytes : plan.skip_bytes + plan.answer_bytes]
                 if relpath is not None and plan.file_size is not None:
                     with self._lock:
                         self._sizes.setdefault(relpath, plan.file_size)
@@ -608,6 +643,7 @@ class RangePlan:
     body_bytes: int  # the body must have exactly this length
     skip_bytes: int  # the asked bytes start this far into the body
     file_size: int | None  # the file's size the answer states, None if it does not say
+    answer_bytes: int  # how many bytes, from skip_bytes on, answer the request
 
 
 def plan_range_response(
@@ -633,25 +669,62 @@ def plan_range_response(
             if got_first == first and total is not None and got_last == total - 1 < last:
                 raise ShortRead(f"{where}: file has only {total} bytes")
             raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
-        return RangePlan(body_bytes=length, skip_bytes=0, file_size=total)
+        return RangePlan(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
     if status == 200:  # the server ignored Range
-        if "Content-Range" in headers:
-            raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
-        announced = headers.get("Content-Length", "")
-        if not announced.isdigit():
-            raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
-        total = int(announced)
-        if total > whole_body_cap_bytes:
-            raise BadRangeResponse(
-                f"{where}: server ignored Range and sent the whole file ({total} bytes > "
-                f"{whole_body_cap_bytes}-byte cap)"
-            )
-        if known_size is not None and total != known_size:
-            raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
         if total <= last:
             raise ShortRead(f"{where}: file has only {total} bytes")
-        return RangePlan(body_bytes=total, skip_bytes=first, file_size=total)
+        return RangePlan(body_bytes=total, skip_bytes=first, file_size=total, answer_bytes=length)
     raise status_error(status, headers, where)
+
+
+def plan_suffix_response(
+    length: int, status: int, headers, *, known_size: int | None, whole_body_cap_bytes: int,
+    where: str,
+) -> RangePlan:
+    """Judge a response to ``Range: bytes=-length`` (the last ``length`` bytes), like
+    :func:`plan_range_response`: a 206 must be ``bytes F-L/T`` with a numeric ``T``,
+    ``L = T - 1`` and ``F = max(0, T - length)``; a 200 is the whole file (same rules as for a
+    range), answered by its last ``min(length, T)`` bytes."""
+    if status == 206:
+        header = headers.get("Content-Range", "")
+        match = _CONTENT_RANGE.fullmatch(header.strip())
+        if match is None or match[3] == "*":
+            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
+        got_first, got_last, total = int(match[1]), int(match[2]), int(match[3])
+        if known_size is not None and total != known_size:
+            raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+        if (got_first, got_last) != (max(0, total - length), total - 1):
+            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
+        answer = total - got_first
+        return RangePlan(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
+    if status == 200:
+        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
+        answer = min(length, total)
+        return RangePlan(body_bytes=total, skip_bytes=total - answer, file_size=total,
+                         answer_bytes=answer)
+    raise status_error(status, headers, where)
+
+
+def _whole_body_size(headers, known_size: int | None, whole_body_cap_bytes: int,
+                     where: str) -> int:
+    """The size of a 200 answer to a range request (the server ignored ``Range``), when it is
+    acceptable: no ``Content-Range``, a decimal ``Content-Length`` within the cap and equal to
+    the size seen before."""
+    if "Content-Range" in headers:
+        raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
+    announced = headers.get("Content-Length", "")
+    if not announced.isdigit():
+        raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
+    total = int(announced)
+    if total > whole_body_cap_bytes:
+        raise BadRangeResponse(
+            f"{where}: server ignored Range and sent the whole file ({total} bytes > "
+            f"{whole_body_cap_bytes}-byte cap)"
+        )
+    if known_size is not None and total != known_size:
+        raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+    return total
 
 
 def status_error(status: int, headers, where: str) -> Exception:
@@ -778,16 +851,21 @@ def open_source(root: str | Path, **http_options) -> Source:
 
 
 class RangeFile(io.RawIOBase):
-    """A read-only, seekable file over one source file; every read is one ``read_range``.
+    """A read-only, seekable file over one source file; every read is one ``read_range``,
+    except reads that lie inside ``tail`` (the file's last bytes, already fetched).
 
     ``reads`` and ``bytes_read`` count what went through this view (for tests and benches).
     """
 
-    def __init__(self, source: Source, relpath: str, size: int | None = None) -> None:
+    def __init__(self, source: Source, relpath: str, size: int | None = None,
+                 tail: bytes = b"") -> None:
         super().__init__()
         self.source = source
         self.relpath = relpath
         self._size = source.size(relpath) if size is None else size
+        if len(tail) > self._size:
+            raise UsageError(f"{relpath}: a tail of {len(tail)} bytes in a {self._size}-byte file")
+        self._tail = tail
         self._position = 0
         self.reads = 0
         self.bytes_read = 0
@@ -824,6 +902,11 @@ class RangeFile(io.RawIOBase):
         length = max(0, min(limit, self._size - self._position))
         if length == 0:
             return b""
+        tail_start = self._size - len(self._tail)
+        if self._position >= tail_start:
+            at = self._position - tail_start
+            self._position += length
+            return self._tail[at : at + length]
         data = self.source.read_range(self.relpath, self._position, length)
         self._position += length
         self.reads += 1
@@ -853,6 +936,24 @@ def conformance_range_response(case: dict) -> dict:
         return {"retry": True, "retry_after_s": exc.retry_after_s}
     return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
             "file_size": plan.file_size}
+
+
+def conformance_suffix_response(case: dict) -> dict:
+    """Conformance kind ``suffix_response``: judge a response to ``Range: bytes=-length``.
+
+    Input: ``length``, ``status``, ``headers``, ``known_size`` (or null),
+    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``.
+    """
+    headers = CaseInsensitiveDict(case["headers"])
+    try:
+        plan = plan_suffix_response(
+            case["length"], case["status"], headers, known_size=case["known_size"],
+            whole_body_cap_bytes=case["whole_body_cap_bytes"], where="case",
+        )
+    except _Transient as exc:
+        return {"retry": True, "retry_after_s": exc.retry_after_s}
+    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
+            "file_size": plan.file_size, "answer_bytes": plan.answer_bytes}
 
 
 def conformance_hf_url(case: dict) -> dict:

@@ -12,9 +12,10 @@ because list/struct features keep their Arrow types and the caller converts once
 It reads through :class:`refstream.fetch.RangeFile`, so only the footer and the column chunks of
 the candidate row groups travel, and it:
 
-1. opens the footer (its size and metadata are kept in ``footers``, when given, so later
-   episodes of the same file cost only their row groups) and checks that every asked column
-   exists (else :class:`TableError`);
+1. opens the footer — one ``read_tail`` of the file's last :data:`FOOTER_TAIL_BYTES` gives its
+   size and footer (a small file's last row groups too); size, tail and metadata are kept in
+   ``footers``, when given, so later episodes of the same file cost only their row groups —
+   and checks that every asked column exists (else :class:`TableError`);
 2. reads ``columns`` plus ``episode_index`` (and ``frame_index`` when the file has it, for
    validation) — the extra columns are dropped again before returning;
 3. prunes row groups with the ``episode_index`` column-chunk statistics
@@ -54,25 +55,31 @@ EPISODE_COLUMN = "episode_index"
 FRAME_COLUMN = "frame_index"
 
 
+# The file's tail fetched with its size in one request: pyarrow reads the footer from the last
+# 64 KiB (its default footer read), so a footer that fits costs no second request.
+FOOTER_TAIL_BYTES = 64 * 1024
+
+
 class Footers:
-    """Each data file's size and Parquet footer, read once and reused for every episode in it.
+    """Each data file's size, tail and Parquet footer, read once (one ``read_tail``) and reused
+    for every episode in it (the tail is at most 64 KiB per file a worker touches).
 
     A dict under the GIL: two threads may read the same footer at once, and both results are
     equal, so no lock is needed.
     """
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[int, pq.FileMetaData]] = {}
+        self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
 
     def open(self, source: Source, relpath: str) -> pq.ParquetFile:
         known = self._known.get(relpath)
         if known is None:
-            view = RangeFile(source, relpath)
-            parquet = pq.ParquetFile(view)
-            self._known[relpath] = (view.size(), parquet.metadata)
+            tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
+            parquet = pq.ParquetFile(RangeFile(source, relpath, size, tail))
+            self._known[relpath] = (size, tail, parquet.metadata)
             return parquet
-        size, metadata = known
-        return pq.ParquetFile(RangeFile(source, relpath, size), metadata=metadata)
+        size, tail, metadata = known
+        return pq.ParquetFile(RangeFile(source, relpath, size, tail), metadata=metadata)
 
 
 def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:

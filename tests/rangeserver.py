@@ -9,7 +9,8 @@ Usage::
         server.log                             # list of RequestRecord, one per request
 
 It serves the files under ``folder`` at ``/<relpath>`` with ``GET`` / ``HEAD``, ``Range:
-bytes=a-b`` (one range), a strong ``ETag`` (hash of the content) and ``Content-Length``. As a
+bytes=a-b`` or ``bytes=-n`` (one range), a strong ``ETag`` (hash of the content) and
+``Content-Length``. As a
 fake Hugging Face Hub (``hub=HubConfig(...)``) it also answers
 ``/api/datasets/OWNER/NAME/revision/REV`` with ``{"sha": ...}`` and serves
 ``/datasets/OWNER/NAME/resolve/REV/<relpath>`` and ``/buckets/OWNER/NAME/resolve/<relpath>``;
@@ -56,7 +57,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 FAULT_MODES = ("reset", "500", "502", "503", "429", "short", "ignore_range", "200_content_range",
                "wrong_range", "416", "slow", "redirect", "403")
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _HUB_RESOLVE = re.compile(r"/datasets/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)")
 _BUCKET_RESOLVE = re.compile(r"/buckets/([^/]+)/([^/]+)/resolve/(.+)")
 _HUB_REVISION = re.compile(r"/api/datasets/([^/]+)/([^/]+)/revision/([^/]+)")
@@ -305,10 +306,13 @@ def _make_handler(server: RangeServer):
             if mode == "slow":
                 server._stopping.wait(server.faults.slow_s)
             m = _RANGE.fullmatch(range_header or "")
-            if m is None or mode == "ignore_range" or head:
+            if m is None or not (m[1] or m[2]) or mode == "ignore_range" or head:
                 return self._reply(200, content, extra=common, head=head, mode=mode)
-            first = int(m[1])
-            last = min(int(m[2]) if m[2] else size - 1, size - 1)
+            if m[1]:
+                first = int(m[1])
+                last = min(int(m[2]) if m[2] else size - 1, size - 1)
+            else:  # a suffix: the last N bytes
+                first, last = max(0, size - int(m[2])), size - 1
             if first >= size:
                 return self._reply(416, b"", extra={"Content-Range": f"bytes */{size}"})
             if mode == "wrong_range":

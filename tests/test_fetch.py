@@ -37,6 +37,7 @@ from refstream.fetch import (
     RetryPolicy,
     conformance_hf_url,
     conformance_range_response,
+    conformance_suffix_response,
     open_hf_source,
     open_source,
     parse_retry_after,
@@ -85,6 +86,16 @@ def test_local_ranges_equal_the_file_bytes_and_are_counted(folder):
     assert source.read_bytes("small.bin") == (folder / "small.bin").read_bytes()
     assert source.size("data/blob.bin") == FILE_BYTES
     assert source.stats()["bytes"] == 1 + FILE_BYTES + 6789 + 1 + 5000
+
+
+def test_local_tail_is_the_last_bytes_and_the_size_in_one_read(folder):
+    source, data = LocalSource(folder), blob(folder)
+    assert source.read_tail("data/blob.bin", 1000) == (data[-1000:], FILE_BYTES)
+    small = (folder / "small.bin").read_bytes()
+    assert source.read_tail("small.bin", 65536) == (small, 5000)  # shorter than asked: all
+    assert source.stats()["requests"] == 2
+    with pytest.raises(UsageError):
+        source.read_tail("small.bin", 0)
 
 
 def test_local_errors_name_the_path_and_range(folder):
@@ -241,6 +252,51 @@ def test_backoff_is_full_jitter_under_the_cap():
     assert policy.delay_s(1, 100.0) == policy.retry_after_cap_s
 
 
+@pytest.mark.parametrize("length", [1, 4096, FILE_BYTES, FILE_BYTES + 1])
+def test_http_tail_is_one_suffix_request_with_the_size(folder, server, length):
+    source, data = http(server.url), blob(folder)
+    assert source.read_tail("data/blob.bin", length) == (data[-length:], FILE_BYTES)
+    assert [(r.method, r.range) for r in server.log] == [("GET", f"bytes=-{length}")]
+    assert source.size("data/blob.bin") == FILE_BYTES  # remembered: no HEAD
+    assert len(server.log) == 1
+
+
+@pytest.mark.parametrize("mode", ["ignore_range", "reset", "short", "503"])
+def test_http_tail_survives_ignored_range_and_transient_faults(folder, server, mode):
+    source = http(server.url)
+    server.script(mode)
+    small = (folder / "small.bin").read_bytes()
+    assert source.read_tail("small.bin", 100) == (small[-100:], 5000)
+
+
+@pytest.mark.parametrize("mode", ["wrong_range", "200_content_range", "416"])
+def test_http_tail_refuses_inconsistent_answers(folder, server, mode):
+    server.script(mode)
+    with pytest.raises(BadRangeResponse, match=r"small.bin bytes -100"):
+        http(server.url).read_tail("small.bin", 100)
+
+
+def test_http_tail_of_a_file_that_changed_size_is_payload_changed(folder, server):
+    source = http(server.url)
+    assert source.size("small.bin") == 5000
+    server.replace_file("small.bin", b"x" * 4000)
+    with pytest.raises(PayloadChanged, match="from 5000 to 4000"):
+        source.read_tail("small.bin", 100)
+
+
+def test_range_file_serves_reads_inside_the_tail_without_a_request(folder):
+    source, data = LocalSource(folder), blob(folder)
+    tail, size = source.read_tail("data/blob.bin", 1000)
+    view = RangeFile(source, "data/blob.bin", size, tail)
+    view.seek(FILE_BYTES - 600)
+    assert view.read(100) == data[-600:-500] and view.reads == 0
+    view.seek(FILE_BYTES - 1100)
+    assert view.read(200) == data[-1100:-900] and view.reads == 1  # straddles: fetched
+    assert view.read() == data[-900:] and view.reads == 1  # the rest is inside the tail
+    with pytest.raises(UsageError):
+        RangeFile(source, "small.bin", 10, b"x" * 11)
+
+
 def test_ignored_range_on_a_small_file_is_sliced(folder, server):
     source = http(server.url)
     server.script("ignore_range")
@@ -348,6 +404,12 @@ def test_nginx_serves_exact_ranges_and_logs_them(folder, nginx_server):  # noqa:
         table.slice(700, 100))
     assert all(r.range is not None for r in nginx.access_log() if r.path == "/t.parquet"
                and r.method == "GET")
+    # a suffix range: the last bytes and the size, in one request nginx answers with 206
+    assert source.read_tail("small.bin", 300) == ((folder / "small.bin").read_bytes()[-300:],
+                                                 5000)
+    assert source.read_tail("small.bin", 65536)[1] == 5000
+    assert [(r.range, r.status, r.body_bytes) for r in nginx.access_log()[-2:]] == [
+        ("bytes=-300", 206, 300), ("bytes=-65536", 206, 5000)]
 
 
 def test_nginx_helper_fails_loudly_when_nginx_is_missing(tmp_path, monkeypatch):
@@ -468,7 +530,8 @@ def test_hf_root_syntax_is_checked():
 
 # --- conformance cases (hand-derived expectations in spec/fixtures/fetch) -----------------------
 
-ADAPTERS = {"range_response": conformance_range_response, "hf_url": conformance_hf_url}
+ADAPTERS = {"range_response": conformance_range_response,
+            "suffix_response": conformance_suffix_response, "hf_url": conformance_hf_url}
 CASES = [c for kind in ADAPTERS for c in load_cases(kind=kind)]
 
 

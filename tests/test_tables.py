@@ -89,14 +89,20 @@ def group_byte_ranges(path: Path) -> list[tuple[int, int]]:
 
 
 def groups_touched(source: RecordingSource, path: Path) -> set[int]:
-    """Row groups whose bytes were read, apart from the first read: pyarrow's speculative read
-    of the file's last 64 KiB to find the footer (it may cover the last groups wholesale)."""
+    """Row groups whose bytes were read, apart from the first read: the file's last 64 KiB,
+    with the footer (it may cover the last groups wholesale, which then cost no read)."""
     size = path.stat().st_size
     first_offset, first_length = source.spans[0]
     assert first_offset + first_length == size and first_length <= 64 * 1024
     ranges = group_byte_ranges(path)
     return {g for g, (lo, hi) in enumerate(ranges)
             for offset, length in source.spans[1:] if offset < hi and offset + length > lo}
+
+
+def groups_outside_the_tail(path: Path) -> set[int]:
+    """Row groups not wholly inside the file's last 64 KiB: reading them costs a request."""
+    tail_start = path.stat().st_size - 64 * 1024
+    return {g for g, (lo, _hi) in enumerate(group_byte_ranges(path)) if lo < tail_start}
 
 
 LENGTHS = {0: 40, 1: 25, 2: 60, 3: 13, 4: 31}
@@ -109,7 +115,7 @@ def test_one_group_per_episode_reads_only_that_group(tmp_path):
         source = RecordingSource(tmp_path)
         table = read_episode_rows(source, "data.parquet", episode, length, COLUMNS)
         assert table.equals(oracle(path, episode, COLUMNS))
-        assert groups_touched(source, path) == {episode}
+        assert groups_touched(source, path) == {episode} & groups_outside_the_tail(path)
 
 
 def test_with_known_footers_an_episode_costs_one_range_inside_its_group(tmp_path):
@@ -194,8 +200,12 @@ def test_rows_over_http_equal_the_local_answer(tmp_path):
         ranged = [r.range for r in server.log if r.method == "GET"]
     assert table.equals(oracle(path, 3, COLUMNS))
     assert ranged and all(r is not None for r in ranged)  # never a whole-file GET
-    assert sum(int(r.split("-")[1]) - int(r[6:].split("-")[0]) + 1 for r in ranged) < \
-        path.stat().st_size / 2
+    size = path.stat().st_size
+    # the footer's read is the file's last 64 KiB (bytes=-65536), the rest are row groups
+    assert ranged[0] == "bytes=-65536"
+    assert [r.method for r in server.log].count("HEAD") == 0  # the size came with the tail
+    group_bytes = sum(int(r.split("-")[1]) - int(r[6:].split("-")[0]) + 1 for r in ranged[1:])
+    assert min(size, 64 * 1024) + group_bytes < size / 2
 
 
 def test_candidate_rule_by_hand():
