@@ -610,6 +610,9 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: clients reuse the connection
+        # Headers and body leave in two writes: with Nagle's algorithm the body waits for the
+        # client's delayed ACK, 40 ms per request on a kept-alive connection.
+        disable_nagle_algorithm = True
 
         def log_message(self, format, *args):  # noqa: A002 - the base class's name
             pass  # quiet: the counters are the log
@@ -679,12 +682,18 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
     return Handler
 
 
+class _LoopbackHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # The default listen backlog of 5 drops the SYNs of a burst of new connections (several
+    # workers' threads at once), which the client resends only after a second.
+    request_queue_size = 128
+
+
 @contextlib.contextmanager
 def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
     """Serve ``root`` on ``http://127.0.0.1:<ephemeral port>`` until the block exits."""
     state = LoopbackServer(root=Path(root))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(state))
-    server.daemon_threads = True
+    server = _LoopbackHTTPServer(("127.0.0.1", 0), _handler_class(state))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, name="refstream-loopback",
                               daemon=True)

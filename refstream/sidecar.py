@@ -210,12 +210,23 @@ def dataset_identity(
     return DatasetIdentity(text if "://" in text else os.path.abspath(text), revision)
 
 
-def file_states(source: IndexSource, relpaths: Sequence[str]) -> list[FileState]:
-    """Current size and fingerprint of each distinct relpath, sorted by relpath."""
-    return [
-        FileState(relpath, int(source.size(relpath)), source.identity(relpath) or None)
-        for relpath in sorted(set(relpaths))
-    ]
+def file_states(source: IndexSource, relpaths: Sequence[str],
+                workers: int = 8) -> list[FileState]:
+    """Current size and fingerprint of each distinct relpath, sorted by relpath; looked up
+    ``workers`` at a time (over HTTP each is a HEAD: serially, a dataset of many files would
+    wait one round trip per file before its first sample)."""
+
+    def state(relpath: str) -> FileState:
+        # identity first: an HTTP source learns the size from the same HEAD
+        fingerprint = source.identity(relpath) or None
+        return FileState(relpath, int(source.size(relpath)), fingerprint)
+
+    distinct = sorted(set(relpaths))
+    if len(distinct) < 2:
+        return [state(r) for r in distinct]
+    with ThreadPoolExecutor(min(workers, len(distinct)),
+                            thread_name_prefix="refstream-stat") as pool:
+        return list(pool.map(state, distinct))
 
 
 def _identity_json(dataset: DatasetIdentity) -> dict:
@@ -624,7 +635,7 @@ def ensure_index(
     indexer: Indexer | None = None,
 ) -> IndexLocation:
     """A valid compact index for ``relpaths`` of ``dataset``: cached, published or built."""
-    states = file_states(source, relpaths)
+    states = file_states(source, relpaths, workers)
     directory = cache_directory(dataset, cache_root)
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ from refstream.planner import (
     resume_positions,
     selection_digest,
 )
-from refstream.sidecar import DatasetIdentity, ensure_index, map_index
+from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import make_windows, window_rows
 
@@ -352,17 +352,10 @@ class StreamingDataset(IterableDataset):
 
     # --- sidecar ------------------------------------------------------------------------------
 
-    def _video_relpaths(self) -> list[str]:
-        """Every video file of the complete dataset (the sidecar always covers all of them)."""
-        return sorted({self.meta.video_relpath(int(e), camera)
-                       for e in self.meta.episode_index for camera in self.meta.camera_keys})
-
     def _ensure_index(self, source) -> str:
-        relpaths = self._video_relpaths()
-        identity = source.identity(relpaths[0]) if relpaths else ""
-        revision = identity.removeprefix("commit:") if identity.startswith("commit:") else None
-        root = self.root if "://" in self.root else os.path.abspath(self.root)
-        return str(ensure_index(source, relpaths, DatasetIdentity(root, revision)).compact_path)
+        relpaths = video_relpaths(self.meta)
+        return str(ensure_index(source, relpaths,
+                                dataset_identity(self.root, source, relpaths)).compact_path)
 
 
 class _WorkerStream:

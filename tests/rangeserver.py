@@ -221,6 +221,7 @@ class RangeServer:
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the default 5 drops bursts of SYNs: a 1 s resend each
 
     def handle_error(self, request, client_address) -> None:
         """A client that gave up (timeout, retry) breaks the pipe: expected here, not news."""
@@ -233,6 +234,7 @@ def etag_of(content: bytes) -> str:
 def _make_handler(server: RangeServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, so pooled connections are exercised
+        disable_nagle_algorithm = True  # else each body waits 40 ms for a delayed ACK
 
         def setup(self) -> None:
             super().setup()

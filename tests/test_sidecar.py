@@ -574,3 +574,22 @@ def test_an_unusable_cache_folder_is_a_sidecar_error_naming_it(root, tmp_path):
     blocker.write_text("a file where the cache folder should be")
     with pytest.raises(SidecarError, match="not-a-folder"):
         ensure(root, blocker)
+
+
+def test_file_states_over_http_are_one_head_per_file_in_relpath_order(tmp_path):
+    from rangeserver import RangeServer, etag_of
+
+    from refstream.fetch import HTTPSource
+
+    contents = {f"videos/cam{k % 3}/file-{k:03d}.mp4": os.urandom(100 + k) for k in range(20)}
+    for relpath, content in contents.items():
+        (tmp_path / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relpath).write_bytes(content)
+    with RangeServer(tmp_path) as server:
+        source = HTTPSource(server.url)
+        states = sidecar.file_states(source, [*contents, *contents])  # duplicates: once each
+        methods = [r.method for r in server.log]
+        source.close()
+    assert [(s.relpath, s.size, s.fingerprint) for s in states] == [
+        (r, len(contents[r]), f"etag:{etag_of(contents[r])}") for r in sorted(contents)]
+    assert methods == ["HEAD"] * len(contents)
