@@ -17,15 +17,17 @@ What one run does, all with the same DataLoader settings (workers, batch size,
 2. **Passes** (each one constructs its dataset inside the timed region, so the time to the first
    batch includes metadata, the sidecar lookup, worker start-up and the first decodes):
    ``refstream-local`` and ``refstream-http`` (``demo.serve_directory`` on loopback) stream one
-   epoch per repeat; ``map-style`` is :class:`MapStyleVideoDataset`, the way LeRobot's map-style
-   dataset with the ``pyav`` backend reads (rows from Parquet loaded up front; per sample and
-   camera: open the source MP4, seek to the keyframe before the window, decode forward, convert
+   epoch per repeat, and ``refstream-http-uint8`` the same with ``return_uint8=True`` (frames as
+   ``uint8``, a quarter of the bytes to convert and collate; not LeRobot's ``float32`` items, so
+   not compared in the targets); ``map-style`` is :class:`MapStyleVideoDataset`, the way LeRobot's
+   map-style dataset with the ``pyav`` backend reads (rows from Parquet loaded up front; per sample
+   and camera: open the source MP4, seek to the keyframe before the window, decode forward, convert
    every decoded frame to RGB, keep the nearest) with shuffled indices, ``baseline_batches``
    batches per repeat; ``download-then-read`` copies every file of the dataset over loopback HTTP
-   into a temporary folder and then reads it like ``map-style`` (its time to first sample
-   includes the download); ``decode-ceiling`` decodes the same episodes sequentially with PyAV
-   and converts them to RGB the way refstream's decoder does (one reused single-threaded rgb24
-   converter), in ``num_workers`` processes, no loader.
+   into a temporary folder and then reads it like ``map-style`` (its time to first sample includes
+   the download); ``decode-ceiling`` decodes the same episodes sequentially with PyAV and converts
+   them to RGB the way refstream's decoder does (one reused single-threaded rgb24 converter), in
+   ``num_workers`` processes, no loader.
 3. **Figures per pass.** samples/s in steady state (over the second half of the pass's batches:
    the first half fills the DataLoader's prefetch pipeline; the median over repeats), time to the
    first batch, CPU seconds
@@ -735,10 +737,11 @@ def batch_mixing(episodes: list[int], frames: list[int], config: BenchConfig, st
 
 
 def _streaming(root: str, config: BenchConfig, delta_timestamps: dict,
-               epoch: int) -> StreamingDataset:
+               epoch: int, return_uint8: bool = False) -> StreamingDataset:
     dataset = StreamingDataset(root, delta_timestamps=delta_timestamps, tolerance_s=TOLERANCE_S,
                                seed=config.seed, episode_pool_size=config.pool_size,
-                               byte_budget_gb=config.budget_gb, batch_size=config.batch_size)
+                               byte_budget_gb=config.budget_gb, batch_size=config.batch_size,
+                               return_uint8=return_uint8)
     dataset.set_epoch(epoch)
     return dataset
 
@@ -991,6 +994,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             methods.append(Method("refstream-http", passes, fetched_bytes=traffic.body_bytes,
                                   video_bytes=traffic.video_bytes, traffic=traffic,
                                   setup_traffic=setup))
+
+            say("refstream over loopback HTTP, uint8 frames")
+            passes = [timed_pass(lambda r=r: _with(_streaming(server.url, config, windows, r,
+                                                              return_uint8=True), config), None)
+                      for r in range(config.repeats)]
+            methods.append(Method("refstream-http-uint8", passes))
 
             say("download-then-read")
             download_to = Path(scratch) / "download"

@@ -32,6 +32,7 @@ translated (``raise TableError(...) from exc``); fetch errors pass through uncha
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,22 +63,24 @@ FOOTER_TAIL_BYTES = 64 * 1024
 
 class Footers:
     """Each data file's size, tail and Parquet footer, read once (one ``read_tail``) and reused
-    for every episode in it (the tail is at most 64 KiB per file a worker touches).
-
-    A dict under the GIL: two threads may read the same footer at once, and both results are
-    equal, so no lock is needed.
-    """
+    for every episode in it (the tail is at most 64 KiB per file a worker touches). Safe to share
+    between threads: a thread that needs a footer another thread is reading waits for it."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
+        self._locks: dict[str, threading.Lock] = {}  # one per file, held while its tail is read
+        self._lock = threading.Lock()  # guards _locks
 
     def open(self, source: Source, relpath: str) -> pq.ParquetFile:
-        known = self._known.get(relpath)
-        if known is None:
-            tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
-            parquet = pq.ParquetFile(RangeFile(source, relpath, size, tail))
-            self._known[relpath] = (size, tail, parquet.metadata)
-            return parquet
+        with self._lock:
+            file_lock = self._locks.setdefault(relpath, threading.Lock())
+        with file_lock:
+            known = self._known.get(relpath)
+            if known is None:
+                tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
+                parquet = pq.ParquetFile(RangeFile(source, relpath, size, tail))
+                self._known[relpath] = (size, tail, parquet.metadata)
+                return parquet
         size, tail, metadata = known
         return pq.ParquetFile(RangeFile(source, relpath, size, tail), metadata=metadata)
 

@@ -4,6 +4,8 @@ numpy, and row-group pruning checked against the byte ranges the footer gives ea
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +226,24 @@ def test_conformance_cases(case):
     answer = json.loads(json.dumps(conformance_row_group_candidates(case.input)))
     assert first_difference(case.expected, answer) is None, (case.expected, answer)
     assert len(CASES) >= 2
+
+
+def test_threads_sharing_footers_read_each_footer_once(tmp_path):
+    path = tmp_path / "data.parquet"
+    write_file(path, LENGTHS)
+
+    class SlowTails(RecordingSource):
+        tails = 0
+
+        def read_tail(self, relpath, length):
+            SlowTails.tails += 1
+            time.sleep(0.05)  # every thread arrives while the first is still reading
+            return super().read_tail(relpath, length)
+
+    source, footers = SlowTails(tmp_path), Footers()
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        tables = list(pool.map(lambda e: read_episode_rows(source, "data.parquet", e, LENGTHS[e],
+                                                           COLUMNS, footers), LENGTHS))
+    for episode, table in zip(LENGTHS, tables, strict=True):
+        assert table.equals(oracle(path, episode, COLUMNS))
+    assert SlowTails.tails == 1
