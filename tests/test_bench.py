@@ -95,8 +95,8 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys):
     assert report["frames"] == frames and report["root"] == str(root)
     methods = {m["name"]: m for m in report["methods"]}
     assert set(methods) == {"map-style", "refstream-local", "refstream-http",
-                            "download-then-read"}
-    for name in ("refstream-local", "refstream-http"):  # one whole epoch per repeat
+                            "refstream-http-uint8", "download-then-read"}
+    for name in ("refstream-local", "refstream-http", "refstream-http-uint8"):  # whole epochs
         assert [p["samples"] for p in methods[name]["passes"]] == [frames] * QUICK.repeats
     http = methods["refstream-http"]
     # Every (episode, camera) span is fetched once: one video request each, at least its bytes.
