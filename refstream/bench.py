@@ -19,15 +19,16 @@ What one run does, all with the same DataLoader settings (workers, batch size,
    ``refstream-local`` and ``refstream-http`` (``demo.serve_directory`` on loopback) stream one
    epoch per repeat, and ``refstream-http-uint8`` the same with ``return_uint8=True`` (frames as
    ``uint8``, a quarter of the bytes to convert and collate; not LeRobot's ``float32`` items, so
-   not compared in the targets); ``map-style`` is :class:`MapStyleVideoDataset`, the way LeRobot's
-   map-style dataset with the ``pyav`` backend reads (rows from Parquet loaded up front; per sample
-   and camera: open the source MP4, seek to the keyframe before the window, decode forward, convert
-   every decoded frame to RGB, keep the nearest) with shuffled indices, ``baseline_batches``
-   batches per repeat; ``download-then-read`` copies every file of the dataset over loopback HTTP
-   into a temporary folder and then reads it like ``map-style`` (its time to first sample includes
-   the download); ``decode-ceiling`` decodes the same episodes sequentially with PyAV and converts
-   them to RGB the way refstream's decoder does (one reused single-threaded rgb24 converter), in
-   ``num_workers`` processes, no loader.
+   not compared in the targets); ``map-style`` is
+   :class:`refstream.baselines.MapStyleVideoDataset`, the way LeRobot's map-style dataset with the
+   ``pyav`` backend reads (rows from Parquet loaded up front; per sample and camera: open the
+   source MP4, seek to the keyframe before the window, decode forward, convert every decoded frame
+   to RGB, keep the nearest) with shuffled indices, ``baseline_batches`` batches per repeat;
+   ``download-then-read`` copies every file of the dataset over loopback HTTP into a temporary
+   folder and then reads it like ``map-style`` (its time to first sample includes the download);
+   ``decode-ceiling`` decodes the same episodes sequentially with PyAV and converts them to RGB the
+   way refstream's decoder does (one reused single-threaded rgb24 converter), in ``num_workers``
+   processes, no loader.
 3. **Figures per pass.** samples/s in steady state (over the second half of the pass's batches:
    the first half fills the DataLoader's prefetch pipeline; the median over repeats), time to the
    first batch, CPU seconds
@@ -49,8 +50,8 @@ What one run does, all with the same DataLoader settings (workers, batch size,
 6. **Targets** of the issue with the measured value and pass/miss (:data:`TARGET_TEXT`).
 
 Measurements share the machine with whatever else runs; repeats and medians damp that, they do
-not remove it. Unlike the I/O-free core, this module imports torch and PyAV (it drives
-DataLoaders and is a PyAV baseline); ``refstream.cli`` imports it only for ``refstream bench``.
+not remove it. Unlike the I/O-free core, this module imports torch (it drives DataLoaders) and,
+through ``refstream.baselines``, PyAV; ``refstream.cli`` imports it only for ``refstream bench``.
 """
 
 from __future__ import annotations
@@ -65,19 +66,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 import torch
-from av.video.reformatter import VideoReformatter
 
 from refstream import demo, shard, synth
+from refstream.baselines import (
+    TOLERANCE_S,
+    Ceiling,
+    MapStyleVideoDataset,
+    cpu_seconds,
+    decode_ceiling,
+)
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, load_meta
@@ -85,13 +91,11 @@ from refstream.mp4 import parse_index
 from refstream.planner import Planner
 from refstream.sidecar import CACHE_ENV, map_index
 from refstream.stream import GIB, StreamingDataset
-from refstream.windows import make_windows, window_rows
 
-__all__ = ["BenchConfig", "BenchReport", "MapStyleVideoDataset", "run_bench", "TARGET_TEXT"]
+__all__ = ["BenchConfig", "BenchReport", "run_bench", "TARGET_TEXT"]
 
 CODECS = {"av1": "libsvtav1", "h264": "libx264"}
 MEMORY_INTERVAL_S = 0.2  # smaps_rollup read interval; each read costs ~1.6 ms per process
-TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
 DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
 DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
 PLANNER_TIMED_ANCHORS = 300_000  # anchors emitted to time the planner (a worker has ~1.7 M)
@@ -349,15 +353,10 @@ class Pass:
     memory_series: list[tuple[float, int, int]] = field(default_factory=list)
 
 
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: int | None) -> Pass:
     """Make ``(dataset, loader)`` and consume up to ``max_batches`` batches, measuring."""
     sampler = MemorySampler()
-    cpu_before = _cpu_seconds()
+    cpu_before = cpu_seconds()
     start = time.perf_counter()
     dataset, loader = make_loader()
     batches = iter(loader)
@@ -374,7 +373,7 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
                 break
     finally:
         del batches  # joins the DataLoader workers, so their CPU time is counted below
-    cpu = _cpu_seconds() - cpu_before
+    cpu = cpu_seconds() - cpu_before
     rss_above, pss_above = sampler.stop()
     if not times:
         raise UsageError("the loader yielded no batch: the dataset is smaller than one batch")
@@ -417,187 +416,6 @@ def http_traffic(server: demo.LoopbackServer, log_start: int, log_end: int | Non
                and e[1].endswith(".parquet")]
     return HttpTraffic(len(entries), len(video), video_bytes, len(parquet),
                        len(entries) - len(video) - len(parquet), body_bytes)
-
-
-# --- the map-style baseline -------------------------------------------------------------------
-
-
-def _numpy_column(column: pa.ChunkedArray) -> np.ndarray:
-    array = column.combine_chunks()
-    shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        array = array.flatten()
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-        return np.array(array.to_pylist())
-    return array.to_numpy(zero_copy_only=False).reshape(shape)
-
-
-def decode_like_lerobot(path: str, times_s: np.ndarray,
-                        tolerance_s: float) -> tuple[np.ndarray, int]:
-    """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded.
-
-    LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
-    keyframe at or before the first time, decode forward converting every frame to RGB until one
-    is at or past the last time, then take the nearest frame per time (error beyond tolerance).
-    """
-    with av.open(path) as container:
-        stream = container.streams.video[0]
-        first_s, last_s = float(times_s.min()), float(times_s.max())
-        container.seek(int(first_s / stream.time_base), stream=stream, backward=True,
-                       any_frame=False)
-        pictures, stamps = [], []
-        for frame in container.decode(stream):
-            pictures.append(frame.to_ndarray(format="rgb24"))
-            stamps.append(float(frame.time))
-            if stamps[-1] >= last_s:
-                break
-    distances = np.abs(times_s[:, None] - np.array(stamps)[None, :])
-    nearest = distances.argmin(axis=1)
-    worst = float(distances[np.arange(len(times_s)), nearest].max())
-    if worst > tolerance_s:
-        raise UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
-    chosen = np.stack([pictures[i] for i in nearest]).transpose(0, 3, 1, 2)
-    return chosen.astype(np.float32) / np.float32(255), len(pictures)
-
-
-class MapStyleVideoDataset:
-    """A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with ``pyav`` video.
-
-    Rows: every data Parquet file is read into numpy arrays when the dataset is made (LeRobot
-    loads its Arrow tables up front too). Items: the anchor's rows and windows by LeRobot's rule
-    (``refstream.windows``), each camera decoded per item by :func:`decode_like_lerobot`; every
-    item also carries ``bench.decoded_frames`` (int64) so the bench can count decodes.
-    """
-
-    def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]],
-                 tolerance_s: float = TOLERANCE_S) -> None:
-        self.root = Path(root)
-        self.meta = load_meta(LocalSource(self.root))
-        self.tolerance_s = tolerance_s
-        self.windows = make_windows(delta_timestamps, self.meta.fps, tolerance_s,
-                                    feature_keys=self.meta.features)
-        relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
-        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
-        table = table.sort_by("index")
-        self.columns = {name: _numpy_column(table[name]) for name in self.meta.parquet_keys}
-        self.global_index = self.columns["index"]
-
-    def __len__(self) -> int:
-        return len(self.global_index)
-
-    def __getitem__(self, position: int) -> dict:
-        meta = self.meta
-        row = int(np.searchsorted(meta.from_index, int(self.global_index[position]),
-                                  side="right")) - 1
-        episode, first = int(meta.episode_index[row]), int(meta.from_index[row])
-        frame, length = int(self.global_index[position]) - first, int(meta.length[row])
-        item: dict = {}
-        for key, values in self.columns.items():
-            offsets = self.windows.offsets.get(key)
-            if offsets is None:
-                item[key] = torch.as_tensor(_lerobot_dtype(values[first + frame]))
-            else:
-                rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = torch.as_tensor(_lerobot_dtype(values[first + rows]))
-                item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
-        decoded = 0
-        for camera in meta.camera_keys:
-            offsets = self.windows.offsets.get(camera, np.zeros(1, np.int64))
-            rows, is_pad = window_rows(offsets, frame, length)
-            times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
-                first + rows].astype(np.float64)
-            pixels, count = decode_like_lerobot(
-                str(self.root / meta.video_relpath(episode, camera)), times_s, self.tolerance_s)
-            decoded += count
-            item[camera] = torch.from_numpy(pixels if len(rows) > 1 else pixels[0])
-            if camera in self.windows.offsets:
-                item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
-        item["task"] = meta.tasks[int(self.columns["task_index"][first + frame])]
-        item["bench.decoded_frames"] = torch.tensor(decoded)
-        return item
-
-
-def _lerobot_dtype(values) -> np.ndarray:
-    array = np.array(values, copy=True)
-    if array.dtype.kind == "f":
-        return array.astype(np.float32)
-    if array.dtype.kind in "iu":
-        return array.astype(np.int64)
-    return array
-
-
-# --- the decode ceiling -----------------------------------------------------------------------
-
-
-def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float, float]:
-    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB
-    the way ``refstream.decode`` does (one reused single-threaded rgb24 converter): (episode
-    frames, decoded frames, decode seconds, RGB conversion seconds)."""
-    episode_frames = decoded = 0
-    decode_s = rgb_s = 0.0
-    converter = VideoReformatter()
-    containers: dict[str, av.container.InputContainer] = {}
-    try:
-        for path, from_s, to_s in jobs:
-            container = containers.get(path) or containers.setdefault(path, av.open(path))
-            stream = container.streams.video[0]
-            container.seek(int(from_s / stream.time_base), stream=stream, backward=True)
-            frames = container.decode(stream)
-            while True:
-                started = time.perf_counter()
-                frame = next(frames, None)
-                decode_s += time.perf_counter() - started
-                if frame is None or frame.time >= to_s - TOLERANCE_S:
-                    break
-                decoded += 1
-                if frame.time < from_s - TOLERANCE_S:
-                    continue  # before the episode: decoded from the keyframe, not delivered
-                started = time.perf_counter()
-                converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
-                rgb_s += time.perf_counter() - started
-                episode_frames += 1
-    finally:
-        for container in containers.values():
-            container.close()
-    return episode_frames, decoded, decode_s, rgb_s
-
-
-@dataclass(frozen=True)
-class Ceiling:
-    processes: int
-    episode_frames: int  # frames of the episodes, decoded and converted to RGB
-    decoded_frames: int
-    wall_s: float
-    decode_s: float  # summed over processes: time inside PyAV's decode
-    rgb_s: float  # summed over processes: time converting to RGB
-    cpu_s: float
-
-    @property
-    def frames_per_s(self) -> float:
-        return self.episode_frames / self.wall_s
-
-
-def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
-    """Sequential PyAV decode of every episode of every camera, episodes dealt round-robin to
-    ``processes`` processes (the DataLoader's worker count; at least one)."""
-    jobs = [(str(root / meta.video_relpath(int(e), camera)),
-             float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
-            for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]
-    processes = max(1, processes)
-    shares = [jobs[p::processes] for p in range(processes)]
-    with ProcessPoolExecutor(processes) as pool:
-        list(pool.map(int, range(processes)))  # start the processes before the clock
-        cpu_before = _cpu_seconds()
-        started = time.perf_counter()
-        results = list(pool.map(_decode_jobs, shares))
-        wall = time.perf_counter() - started
-    cpu = _cpu_seconds() - cpu_before
-    return Ceiling(processes, sum(r[0] for r in results), sum(r[1] for r in results), wall,
-                   sum(r[2] for r in results), sum(r[3] for r in results), cpu)
-
-
-# --- decode amplification of refstream --------------------------------------------------------
 
 
 # --- planner, index, mixing -------------------------------------------------------------------

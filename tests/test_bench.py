@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from refstream import bench
+from refstream import baselines, bench
 from refstream.cli import main
 from refstream.demo import read_frame_label
 
@@ -47,7 +47,7 @@ def test_generated_dataset_has_the_configured_shape_and_is_reused(root, cache, m
 
 def test_map_style_items_show_the_requested_frames(root):
     windows = QUICK.delta_timestamps(bench.camera_names(QUICK.cameras), QUICK.fps)
-    dataset = bench.MapStyleVideoDataset(root, windows)
+    dataset = baselines.MapStyleVideoDataset(root, windows)
     assert len(dataset) == QUICK.episodes * QUICK.frames_per_episode
     for position in (0, 1, QUICK.frames_per_episode, len(dataset) - 1):
         item = dataset[position]

@@ -1,0 +1,225 @@
+"""The ways people load LeRobot video data today, written here as ``refstream bench``'s
+baselines (PyAV only, no refstream streaming code):
+
+``MapStyleVideoDataset(root, delta_timestamps)``
+    A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
+    backend: rows loaded from Parquet up front; per item and camera, open the source MP4, seek to
+    the keyframe at or before the window, decode forward converting every frame to RGB, keep the
+    nearest frame per time (:func:`decode_like_lerobot`). Items carry
+    ``bench.decoded_frames`` so the bench can count decodes.
+
+``decode_ceiling(root, meta, processes)`` -> :class:`Ceiling`
+    Sequential PyAV decode of every episode of every camera, converting each frame to RGB the way
+    ``refstream.decode`` does (one reused single-threaded rgb24 converter), in ``processes``
+    processes: what decoding alone costs, no loader around it.
+
+``cpu_seconds()``: user + system CPU of this process and its reaped children (``os.times``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from av.video.reformatter import VideoReformatter
+
+from refstream.errors import UsageError
+from refstream.fetch import LocalSource
+from refstream.meta import DatasetMeta, load_meta
+from refstream.windows import make_windows, window_rows
+
+__all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",
+           "cpu_seconds", "TOLERANCE_S"]
+
+TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+# --- the map-style baseline -------------------------------------------------------------------
+
+
+def _numpy_column(column: pa.ChunkedArray) -> np.ndarray:
+    array = column.combine_chunks()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return np.array(array.to_pylist())
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+def decode_like_lerobot(path: str, times_s: np.ndarray,
+                        tolerance_s: float) -> tuple[np.ndarray, int]:
+    """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded.
+
+    LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
+    keyframe at or before the first time, decode forward converting every frame to RGB until one
+    is at or past the last time, then take the nearest frame per time (error beyond tolerance).
+    """
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        first_s, last_s = float(times_s.min()), float(times_s.max())
+        container.seek(int(first_s / stream.time_base), stream=stream, backward=True,
+                       any_frame=False)
+        pictures, stamps = [], []
+        for frame in container.decode(stream):
+            pictures.append(frame.to_ndarray(format="rgb24"))
+            stamps.append(float(frame.time))
+            if stamps[-1] >= last_s:
+                break
+    distances = np.abs(times_s[:, None] - np.array(stamps)[None, :])
+    nearest = distances.argmin(axis=1)
+    worst = float(distances[np.arange(len(times_s)), nearest].max())
+    if worst > tolerance_s:
+        raise UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
+    chosen = np.stack([pictures[i] for i in nearest]).transpose(0, 3, 1, 2)
+    return chosen.astype(np.float32) / np.float32(255), len(pictures)
+
+
+class MapStyleVideoDataset:
+    """A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with ``pyav`` video.
+
+    Rows: every data Parquet file is read into numpy arrays when the dataset is made (LeRobot
+    loads its Arrow tables up front too). Items: the anchor's rows and windows by LeRobot's rule
+    (``refstream.windows``), each camera decoded per item by :func:`decode_like_lerobot`; every
+    item also carries ``bench.decoded_frames`` (int64) so the bench can count decodes.
+    """
+
+    def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]],
+                 tolerance_s: float = TOLERANCE_S) -> None:
+        self.root = Path(root)
+        self.meta = load_meta(LocalSource(self.root))
+        self.tolerance_s = tolerance_s
+        self.windows = make_windows(delta_timestamps, self.meta.fps, tolerance_s,
+                                    feature_keys=self.meta.features)
+        relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
+        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
+        table = table.sort_by("index")
+        self.columns = {name: _numpy_column(table[name]) for name in self.meta.parquet_keys}
+        self.global_index = self.columns["index"]
+
+    def __len__(self) -> int:
+        return len(self.global_index)
+
+    def __getitem__(self, position: int) -> dict:
+        meta = self.meta
+        row = int(np.searchsorted(meta.from_index, int(self.global_index[position]),
+                                  side="right")) - 1
+        episode, first = int(meta.episode_index[row]), int(meta.from_index[row])
+        frame, length = int(self.global_index[position]) - first, int(meta.length[row])
+        item: dict = {}
+        for key, values in self.columns.items():
+            offsets = self.windows.offsets.get(key)
+            if offsets is None:
+                item[key] = torch.as_tensor(_lerobot_dtype(values[first + frame]))
+            else:
+                rows, is_pad = window_rows(offsets, frame, length)
+                item[key] = torch.as_tensor(_lerobot_dtype(values[first + rows]))
+                item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
+        decoded = 0
+        for camera in meta.camera_keys:
+            offsets = self.windows.offsets.get(camera, np.zeros(1, np.int64))
+            rows, is_pad = window_rows(offsets, frame, length)
+            times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
+                first + rows].astype(np.float64)
+            pixels, count = decode_like_lerobot(
+                str(self.root / meta.video_relpath(episode, camera)), times_s, self.tolerance_s)
+            decoded += count
+            item[camera] = torch.from_numpy(pixels if len(rows) > 1 else pixels[0])
+            if camera in self.windows.offsets:
+                item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
+        item["task"] = meta.tasks[int(self.columns["task_index"][first + frame])]
+        item["bench.decoded_frames"] = torch.tensor(decoded)
+        return item
+
+
+def _lerobot_dtype(values) -> np.ndarray:
+    array = np.array(values, copy=True)
+    if array.dtype.kind == "f":
+        return array.astype(np.float32)
+    if array.dtype.kind in "iu":
+        return array.astype(np.int64)
+    return array
+
+
+# --- the decode ceiling -----------------------------------------------------------------------
+
+
+def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float, float]:
+    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB
+    the way ``refstream.decode`` does (one reused single-threaded rgb24 converter): (episode
+    frames, decoded frames, decode seconds, RGB conversion seconds)."""
+    episode_frames = decoded = 0
+    decode_s = rgb_s = 0.0
+    converter = VideoReformatter()
+    containers: dict[str, av.container.InputContainer] = {}
+    try:
+        for path, from_s, to_s in jobs:
+            container = containers.get(path) or containers.setdefault(path, av.open(path))
+            stream = container.streams.video[0]
+            container.seek(int(from_s / stream.time_base), stream=stream, backward=True)
+            frames = container.decode(stream)
+            while True:
+                started = time.perf_counter()
+                frame = next(frames, None)
+                decode_s += time.perf_counter() - started
+                if frame is None or frame.time >= to_s - TOLERANCE_S:
+                    break
+                decoded += 1
+                if frame.time < from_s - TOLERANCE_S:
+                    continue  # before the episode: decoded from the keyframe, not delivered
+                started = time.perf_counter()
+                converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
+                rgb_s += time.perf_counter() - started
+                episode_frames += 1
+    finally:
+        for container in containers.values():
+            container.close()
+    return episode_frames, decoded, decode_s, rgb_s
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    processes: int
+    episode_frames: int  # frames of the episodes, decoded and converted to RGB
+    decoded_frames: int
+    wall_s: float
+    decode_s: float  # summed over processes: time inside PyAV's decode
+    rgb_s: float  # summed over processes: time converting to RGB
+    cpu_s: float
+
+    @property
+    def frames_per_s(self) -> float:
+        return self.episode_frames / self.wall_s
+
+
+def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
+    """Sequential PyAV decode of every episode of every camera, episodes dealt round-robin to
+    ``processes`` processes (the DataLoader's worker count; at least one)."""
+    jobs = [(str(root / meta.video_relpath(int(e), camera)),
+             float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
+            for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]
+    processes = max(1, processes)
+    shares = [jobs[p::processes] for p in range(processes)]
+    with ProcessPoolExecutor(processes) as pool:
+        list(pool.map(int, range(processes)))  # start the processes before the clock
+        cpu_before = cpu_seconds()
+        started = time.perf_counter()
+        results = list(pool.map(_decode_jobs, shares))
+        wall = time.perf_counter() - started
+    cpu = cpu_seconds() - cpu_before
+    return Ceiling(processes, sum(r[0] for r in results), sum(r[1] for r in results), wall,
+                   sum(r[2] for r in results), sum(r[3] for r in results), cpu)
