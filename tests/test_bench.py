@@ -63,6 +63,12 @@ def test_map_style_items_show_the_requested_frames(root):
         assert int(item["bench.decoded_frames"]) >= QUICK.cameras * len(set(wanted))
 
 
+def test_no_plot_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert bench.plot(None, tmp_path / "bench.png") is False
+    assert not (tmp_path / "bench.png").exists()
+
+
 def test_batch_mixing_against_brute_force():
     config = bench.BenchConfig.quick(num_workers=1, batch_size=2)
     mixing = bench.batch_mixing([7, 9], [4, 4], config, "round_robin", None, None)
@@ -87,9 +93,10 @@ def test_memory_of_finds_children():
         child.wait()
 
 
-def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys):
+def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("REFSTREAM_CACHE", cache)
-    assert main(["bench", "--quick", "--json"]) == 0
+    assert main(["bench", "--quick", "--json", "--plot", str(tmp_path / "bench.png")]) == 0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(capsys.readouterr().out)
     frames = QUICK.episodes * QUICK.frames_per_episode
     assert report["frames"] == frames and report["root"] == str(root)
