@@ -34,6 +34,7 @@ from av.video.reformatter import VideoReformatter
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, load_meta
+from refstream.tables import column_array
 from refstream.windows import make_windows, window_rows
 
 __all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",
@@ -48,17 +49,6 @@ def cpu_seconds() -> float:
 
 
 # --- the map-style baseline -------------------------------------------------------------------
-
-
-def _numpy_column(column: pa.ChunkedArray) -> np.ndarray:
-    array = column.combine_chunks()
-    shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        array = array.flatten()
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-        return np.array(array.to_pylist())
-    return array.to_numpy(zero_copy_only=False).reshape(shape)
 
 
 def decode_like_lerobot(path: str, times_s: np.ndarray,
@@ -108,7 +98,8 @@ class MapStyleVideoDataset:
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
         table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
         table = table.sort_by("index")
-        self.columns = {name: _numpy_column(table[name]) for name in self.meta.parquet_keys}
+        self.columns = {name: column_array(table[name], str(self.root / "data"), name)
+                        for name in self.meta.parquet_keys}
         self.global_index = self.columns["index"]
 
     def __len__(self) -> int:

@@ -85,7 +85,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -106,7 +105,7 @@ from refstream.planner import (
     selection_digest,
 )
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
-from refstream.tables import Footers, read_episode_rows
+from refstream.tables import Footers, column_array, read_episode_rows
 from refstream.windows import make_windows, window_rows
 
 __all__ = ["StreamingDataset", "GIB"]
@@ -546,7 +545,7 @@ class _WorkerStream:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(self.source, relpath, episode,
                                       self.ds._frames_of[episode], self.columns, self.footers)
-            rows = {name: _column_array(table[name], relpath, episode, name)
+            rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
             videos = {}
             for camera in self.cameras:
@@ -650,31 +649,6 @@ def _value(values: np.ndarray) -> torch.Tensor | object:
     elif array.dtype.kind != "b":
         return array.tolist()
     return torch.from_numpy(np.array(array, copy=True))
-
-
-def _column_array(column: pa.ChunkedArray, relpath: str, episode: int,
-                  name: str) -> np.ndarray:
-    """One Parquet column as a numpy array with one entry per row; fixed-size lists (nested or
-    not) become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``."""
-    if column.null_count:
-        raise TableError(f"{relpath}: episode {episode}: column {name!r} has nulls")
-    array = column.combine_chunks()
-    shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        array = array.flatten()
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-        # Variable-length lists whose rows all have one length (how some writers store vectors).
-        values = np.array(array.to_pylist())
-        if values.dtype == object:
-            raise TableError(f"{relpath}: episode {episode}: column {name!r} is ragged")
-        return values.reshape(shape + list(values.shape[1:]))
-    try:
-        values = array.to_numpy(zero_copy_only=False)
-    except (pa.ArrowException, ValueError) as exc:
-        raise TableError(f"{relpath}: episode {episode}: column {name!r} of type {column.type} "
-                         "has no numeric form") from exc
-    return values.reshape(shape)
 
 
 def _check_anchor(item: dict, episode: int, frame: int, first_index: int) -> None:

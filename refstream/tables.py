@@ -5,6 +5,7 @@ Public calls::
     footers = Footers()                                     # one per worker: reused per file
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers)
     candidate_row_groups(stats, episode) -> list[int]      # the pruning rule on its own
+    column_array(table[name], where, name) -> np.ndarray    # a column as numpy, one row each
 
 ``read_episode_rows`` returns a ``pyarrow.Table`` with exactly ``columns`` (in that order,
 duplicates removed) and ``expected_rows`` rows in file order — a table rather than numpy arrays
@@ -46,6 +47,7 @@ from refstream.fetch import RangeFile, Source
 __all__ = [
     "Footers",
     "read_episode_rows",
+    "column_array",
     "candidate_row_groups",
     "conformance_row_group_candidates",
     "EPISODE_COLUMN",
@@ -157,6 +159,34 @@ def _validate(table: pa.Table, where: str, expected_rows: int) -> None:
             raise TableError(
                 f"{where}: non-contiguous frame_index: row {bad} has {int(frames[bad])}"
             )
+
+
+def column_array(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
+    """Column ``name`` as a numpy array with one entry per row; fixed-size lists (nested or not)
+    become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``. Nulls, ragged lists and types
+    without a numeric form are :class:`TableError` naming ``where`` and the column."""
+    if column.null_count:
+        raise TableError(f"{where}: column {name!r} has nulls")
+    array = column.combine_chunks()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        # Variable-length lists whose rows all have one length (how some writers store vectors).
+        try:  # rows of different lengths: numpy refuses them, or keeps them as objects
+            values = np.array(array.to_pylist())
+        except ValueError:
+            values = None
+        if values is None or values.dtype == object:
+            raise TableError(f"{where}: column {name!r} is ragged")
+        return values.reshape(shape + list(values.shape[1:]))
+    try:
+        values = array.to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, ValueError) as exc:
+        raise TableError(f"{where}: column {name!r} of type {column.type} has no numeric "
+                         "form") from exc
+    return values.reshape(shape)
 
 
 def conformance_row_group_candidates(case: dict) -> dict:

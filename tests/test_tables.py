@@ -20,6 +20,7 @@ from refstream.fetch import HTTPSource, LocalSource, RetryPolicy
 from refstream.tables import (
     Footers,
     candidate_row_groups,
+    column_array,
     conformance_row_group_candidates,
     read_episode_rows,
 )
@@ -247,3 +248,25 @@ def test_threads_sharing_footers_read_each_footer_once(tmp_path):
     for episode, table in zip(LENGTHS, tables, strict=True):
         assert table.equals(oracle(path, episode, COLUMNS))
     assert SlowTails.tails == 1
+
+
+def test_column_array_turns_fixed_lists_into_axes_and_names_bad_columns():
+    table = pa.table({
+        "scalar": pa.array([1.5, 2.5], pa.float32()),
+        "vector": pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.int64(), 3)),
+        "matrix": pa.array([[[1, 2], [3, 4]], [[5, 6], [7, 8]]],
+                           pa.list_(pa.list_(pa.int16(), 2), 2)),
+        "listed": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float64())),
+        "ragged": pa.array([[1.0], [2.0, 3.0]], pa.list_(pa.float64())),
+        "holes": pa.array([1, None], pa.int64()),
+    })
+    got = {n: column_array(table[n], "f.parquet: episode 3", n)
+           for n in ("scalar", "vector", "matrix", "listed")}
+    np.testing.assert_array_equal(got["scalar"], np.array([1.5, 2.5], np.float32))
+    np.testing.assert_array_equal(got["vector"], [[1, 2, 3], [4, 5, 6]])
+    assert got["matrix"].shape == (2, 2, 2) and got["matrix"][1, 0, 1] == 6
+    np.testing.assert_array_equal(got["listed"], [[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(TableError, match=r"f.parquet: episode 3: column 'ragged' is ragged"):
+        column_array(table["ragged"], "f.parquet: episode 3", "ragged")
+    with pytest.raises(TableError, match=r"f.parquet: episode 3: column 'holes' has nulls"):
+        column_array(table["holes"], "f.parquet: episode 3", "holes")
