@@ -43,7 +43,10 @@ A candidate is used only if it validates: schema and version, dataset identity, 
 files with the current size and fingerprint of each, array dtypes and lengths (and the compact
 file's digest and bounds). Otherwise it is replaced: a valid ``index.npz`` yields a fresh
 ``index.compact``; else the index is built; a build that does not validate against the files as
-they are afterwards (they changed meanwhile) is built once more, then ``SidecarInvalid``.
+they are afterwards (they changed meanwhile) is built once more, then ``SidecarInvalid``. A
+commit-pinned dataset (``dataset.revision`` set, every fingerprint ``commit:<revision>``) cannot
+change under its commit, so a cached compact index of exactly its files is used without asking the
+source anything (no ``HEAD`` per video file).
 
 Writing happens under an exclusive ``fcntl.flock`` on ``<dir>/.lock``, polled until
 ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S`` (default 1800 s; then ``SidecarLockTimeout`` naming the lock
@@ -635,8 +638,13 @@ def ensure_index(
     indexer: Indexer | None = None,
 ) -> IndexLocation:
     """A valid compact index for ``relpaths`` of ``dataset``: cached, published or built."""
-    states = file_states(source, relpaths, workers)
     directory = cache_directory(dataset, cache_root)
+    if dataset.revision is not None:
+        pinned = _pinned_states(directory / "index.compact", dataset, relpaths)
+        if pinned is not None and _compact_is_valid(directory / "index.compact", dataset, pinned):
+            return IndexLocation(directory / "index.compact", directory / "index.npz", "cache",
+                                 None)
+    states = file_states(source, relpaths, workers)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -697,6 +705,23 @@ def open_index(
 ) -> CompactIndex:
     """``map_index(ensure_index(source, relpaths, dataset, **options).compact_path)``."""
     return map_index(ensure_index(source, relpaths, dataset, **options).compact_path)
+
+
+def _pinned_states(path: Path, dataset: DatasetIdentity,
+                   relpaths: Sequence[str]) -> list[FileState] | None:
+    """The file states a cached compact index of a commit-pinned dataset recorded, if it holds
+    exactly ``relpaths``, each fingerprinted with the dataset's commit; else None."""
+    try:
+        files = CompactIndex(path, verify=False).manifest.get("files")
+    except (FileNotFoundError, SidecarInvalid):
+        return None
+    commit = f"commit:{dataset.revision}"
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        return None
+    if [f.get("relpath") for f in files] != sorted(set(relpaths)) or any(
+            f.get("fingerprint") != commit or not isinstance(f.get("size"), int) for f in files):
+        return None
+    return [FileState(f["relpath"], f["size"], commit) for f in files]
 
 
 def _compact_is_valid(path: Path, dataset: DatasetIdentity, states: Sequence[FileState]) -> bool:

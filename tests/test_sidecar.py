@@ -137,6 +137,45 @@ def test_a_second_open_uses_the_cache_without_indexing(root, cache):
     assert again.summary is None
 
 
+class PinnedSource(LocalSource):
+    """A local folder that answers like a commit-pinned Hub source: every identity is the
+    commit; ``asked`` counts the size and identity questions (HEADs on the Hub)."""
+
+    def __init__(self, root: Path, commit: str) -> None:
+        super().__init__(root)
+        self.commit, self.asked = commit, 0
+
+    def identity(self, relpath: str) -> str:
+        self.asked += 1
+        return f"commit:{self.commit}"
+
+    def size(self, relpath: str) -> int:
+        self.asked += 1
+        return super().size(relpath)
+
+
+def test_a_commit_pinned_dataset_reopens_from_the_cache_without_asking_the_source(root, cache):
+    commit = "ab" * 20
+    dataset = DatasetIdentity("hf://datasets/o/n", commit)
+    first = PinnedSource(root, commit)
+    built = ensure_index(first, RELPATHS, dataset, cache_root=cache, indexer=pyav_indexer())
+    assert built.origin == "built" and first.asked > 0
+    again = PinnedSource(root, commit)
+    found = ensure_index(again, RELPATHS, dataset, cache_root=cache, indexer=never)
+    assert (found.origin, again.asked) == ("cache", 0)
+    assert_matches_oracle(map_index(found.compact_path), root)
+    # Other files than the cached index holds: the states are asked for (and the index rebuilt).
+    fewer = PinnedSource(root, commit)
+    counting = Counting()
+    rebuilt = ensure_index(fewer, RELPATHS[:2], dataset, cache_root=cache, indexer=counting)
+    assert rebuilt.origin == "built" and fewer.asked > 0 and counting.calls
+    # Not pinned (no revision): every open asks for the files' states.
+    unpinned = PinnedSource(root, commit)
+    ensure_index(unpinned, RELPATHS, DatasetIdentity("https://example/d"), cache_root=cache,
+                 indexer=pyav_indexer())
+    assert unpinned.asked > 0
+
+
 def test_compact_arrays_are_narrow_exact_and_read_only(root, cache):
     index = map_index(ensure(root, cache).compact_path, verify=True)
     ladder = sidecar.NARROW_DTYPES
