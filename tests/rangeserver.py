@@ -78,8 +78,8 @@ class Faults:
     retry_after: str = "0"
     slow_s: float = 2.0
     seed: int = 0
-    # At most this many random faults in a row for one (path, range), 0 for no limit: a test of
-    # survival must not depend on how threads interleave the seeded draws.
+    # At most this many faults in a row (random or of a 5xx burst) for one (path, range), 0 for
+    # no limit: a test of survival must not depend on how threads interleave the seeded draws.
     max_run: int = 0
 
 
@@ -188,15 +188,16 @@ class RangeServer:
                 return None
             if self._script:
                 return self._script.pop(0)
-            if self._burst_left:
+            runs = self._runs.get(key, 0)
+            capped = bool(self.faults.max_run) and runs >= self.faults.max_run
+            if self._burst_left and not capped:
                 self._burst_left -= 1
+                self._runs[key] = runs + 1
                 return self._burst_status
             if not is_range:
                 return ""
-            mode = self._random_mode()
-            if mode and self.faults.max_run and self._runs.get(key, 0) >= self.faults.max_run:
-                mode = ""
-            self._runs[key] = self._runs.get(key, 0) + 1 if mode else 0
+            mode = "" if capped else self._random_mode()
+            self._runs[key] = runs + 1 if mode else 0
             return mode
 
     def _random_mode(self) -> str:

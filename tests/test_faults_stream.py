@@ -269,7 +269,8 @@ def streaming(url: str, **options) -> StreamingDataset:
 
 SURVIVABLE = {
     "reset": Faults(reset=0.25, seed=1, max_run=MAX_ATTEMPTS - 1),
-    "5xx_burst": Faults(status_5xx=0.15, burst=MAX_ATTEMPTS - 1, seed=2),
+    "5xx_burst": Faults(status_5xx=0.15, burst=MAX_ATTEMPTS - 1, seed=2,
+                        max_run=MAX_ATTEMPTS - 1),
     "429_retry_after": Faults(too_many=0.1, retry_after="1", seed=3, max_run=MAX_ATTEMPTS - 1),
     "short": Faults(short=0.25, seed=4, max_run=MAX_ATTEMPTS - 1),
     "slow": Faults(slow=0.15, slow_s=1.0, seed=5, max_run=MAX_ATTEMPTS - 1),
