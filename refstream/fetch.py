@@ -40,7 +40,8 @@ HTTP rules (:class:`HTTPSource`):
   ``.netrc`` credentials are never picked up; environment proxies are.
 * One range per request, ``Range: bytes=a-b`` (``read_tail``: the suffix ``bytes=-n``, judged by
   :func:`plan_suffix_response`: a 206 must state the size and cover exactly the last
-  ``min(n, size)`` bytes; a 200 follows the rule below). A **206** is accepted only when
+  ``min(n, size)`` bytes; a 200 follows the rule below; a 416 or a 200 over the cap means no
+  suffix support: ``HEAD`` for the size, then a plain range). A **206** is accepted only when
   ``Content-Range`` is ``bytes a-b/T`` for exactly the asked ``a-b`` and the body has exactly
   ``b-a+1`` bytes. ``T`` must equal the size seen before (else :class:`PayloadChanged`); a range
   that ends past ``T`` is :class:`ShortRead`. Any other ``Content-Range`` is
@@ -397,10 +398,17 @@ class HTTPSource:
         url = self.url(relpath)
         _check_tail(url, length)
         where = f"{url} bytes -{length}"  # HTTP's suffix form: the last `length` bytes
-        body = self._fetch(url, where, relpath, f"bytes=-{length}",
-                           lambda status, headers, known: plan_suffix_response(
-                               length, status, headers, known_size=known,
-                               whole_body_cap_bytes=self._whole_body_cap_bytes, where=where))
+        try:
+            body = self._fetch(url, where, relpath, f"bytes=-{length}",
+                               lambda status, headers, known: plan_suffix_response(
+                                   length, status, headers, known_size=known,
+                                   whole_body_cap_bytes=self._whole_body_cap_bytes,
+                                   where=where))
+        except SuffixUnsupported:
+            # The server does not serve suffix ranges: the size from HEAD, then a plain range.
+            size = self.size(relpath)
+            start = size - min(length, size)
+            return self.read_range(relpath, start, size - start), size
         with self._lock:
             return body, self._sizes[relpath]
 
@@ -678,6 +686,11 @@ def plan_range_response(
     raise status_error(status, headers, where)
 
 
+class SuffixUnsupported(Exception):
+    """The server answered a suffix range with 416 or with a whole file over the cap: ask for the
+    size and a plain range instead (never leaves ``read_tail``)."""
+
+
 def plan_suffix_response(
     length: int, status: int, headers, *, known_size: int | None, whole_body_cap_bytes: int,
     where: str,
@@ -685,7 +698,8 @@ def plan_suffix_response(
     """Judge a response to ``Range: bytes=-length`` (the last ``length`` bytes), like
     :func:`plan_range_response`: a 206 must be ``bytes F-L/T`` with a numeric ``T``,
     ``L = T - 1`` and ``F = max(0, T - length)``; a 200 is the whole file (same rules as for a
-    range), answered by its last ``min(length, T)`` bytes."""
+    range), answered by its last ``min(length, T)`` bytes. A 416, or a 200 of a file over the
+    cap, means the server does not serve suffix ranges: :class:`SuffixUnsupported`."""
     if status == 206:
         header = headers.get("Content-Range", "")
         match = _CONTENT_RANGE.fullmatch(header.strip())
@@ -698,6 +712,10 @@ def plan_suffix_response(
             raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
         answer = total - got_first
         return RangePlan(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
+    announced = headers.get("Content-Length", "")
+    if status == 416 or (status == 200 and "Content-Range" not in headers
+                         and announced.isdigit() and int(announced) > whole_body_cap_bytes):
+        raise SuffixUnsupported(f"{where}: HTTP {status}")
     if status == 200:
         total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
         answer = min(length, total)
@@ -942,7 +960,8 @@ def conformance_suffix_response(case: dict) -> dict:
     """Conformance kind ``suffix_response``: judge a response to ``Range: bytes=-length``.
 
     Input: ``length``, ``status``, ``headers``, ``known_size`` (or null),
-    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``.
+    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``; or
+    ``{"fallback": true}`` when the size and a plain range are to be asked instead.
     """
     headers = CaseInsensitiveDict(case["headers"])
     try:
@@ -952,6 +971,8 @@ def conformance_suffix_response(case: dict) -> dict:
         )
     except _Transient as exc:
         return {"retry": True, "retry_after_s": exc.retry_after_s}
+    except SuffixUnsupported:
+        return {"fallback": True}
     return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
             "file_size": plan.file_size, "answer_bytes": plan.answer_bytes}
 

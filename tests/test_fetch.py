@@ -269,11 +269,23 @@ def test_http_tail_survives_ignored_range_and_transient_faults(folder, server, m
     assert source.read_tail("small.bin", 100) == (small[-100:], 5000)
 
 
-@pytest.mark.parametrize("mode", ["wrong_range", "200_content_range", "416"])
+@pytest.mark.parametrize("mode", ["wrong_range", "200_content_range"])
 def test_http_tail_refuses_inconsistent_answers(folder, server, mode):
     server.script(mode)
     with pytest.raises(BadRangeResponse, match=r"small.bin bytes -100"):
         http(server.url).read_tail("small.bin", 100)
+
+
+@pytest.mark.parametrize("mode", ["416", "ignore_range"])
+def test_http_tail_without_suffix_support_falls_back_to_head_and_a_range(folder, server, mode):
+    # 416, or the whole 300 kB file over a 100 kB cap (its body is never read).
+    source, data = http(server.url, whole_body_cap_bytes=100_000), blob(folder)
+    server.script(mode)
+    assert source.read_tail("data/blob.bin", 1000) == (data[-1000:], FILE_BYTES)
+    assert [(r.method, r.range) for r in server.log] == [
+        ("GET", "bytes=-1000"), ("HEAD", None),
+        ("GET", f"bytes={FILE_BYTES - 1000}-{FILE_BYTES - 1}")]
+    assert source.stats()["bytes"] < 100_000
 
 
 def test_http_tail_of_a_file_that_changed_size_is_payload_changed(folder, server):
