@@ -180,6 +180,13 @@ def _check_tail(where: str, length: int) -> None:
         raise UsageError(f"{where}: a tail read needs a positive length, got {length}")
 
 
+def _tail_by_size(source: Source, relpath: str, length: int) -> tuple[bytes, int]:
+    """``read_tail`` in two steps: the file's size, then a range of its last bytes."""
+    size = source.size(relpath)
+    count = min(length, size)
+    return source.read_range(relpath, size - count, count), size
+
+
 def _byte_range(offset: int, length: int) -> str:
     return f"bytes {offset}-{offset + length - 1}"
 
@@ -209,8 +216,7 @@ class LocalSource:
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         _check_tail(str(self._path(relpath)), length)
-        size = self.size(relpath)
-        return self.read_range(relpath, size - min(length, size), min(length, size)), size
+        return _tail_by_size(self, relpath, length)
 
     def _read(self, relpath: str, offset: int, length: int | None) -> bytes:
         """``length`` bytes at ``offset``; ``None`` means to the end of the file."""
@@ -388,7 +394,7 @@ class HTTPSource:
         if length == 0:
             return b""
         first, last = offset, offset + length - 1
-        where = f"{url} bytes {first}-{last}"
+        where = f"{url} {_byte_range(offset, length)}"
         return self._fetch(url, where, relpath, f"bytes={first}-{last}",
                            lambda status, headers, known: plan_range_response(
                                first, last, status, headers, known_size=known,
@@ -405,10 +411,7 @@ class HTTPSource:
                                    whole_body_cap_bytes=self._whole_body_cap_bytes,
                                    where=where))
         except SuffixUnsupported:
-            # The server does not serve suffix ranges: the size from HEAD, then a plain range.
-            size = self.size(relpath)
-            start = size - min(length, size)
-            return self.read_range(relpath, start, size - start), size
+            return _tail_by_size(self, relpath, length)  # the size from HEAD, then a range
         with self._lock:
             return body, self._sizes[relpath]
 
@@ -665,18 +668,11 @@ def plan_range_response(
     """
     length = last - first + 1
     if status == 206:
-        header = headers.get("Content-Range", "")
-        match = _CONTENT_RANGE.fullmatch(header.strip())
-        if match is None:
-            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
-        got_first, got_last = int(match[1]), int(match[2])
-        total = None if match[3] == "*" else int(match[3])
-        if known_size is not None and total is not None and total != known_size:
-            raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+        got_first, got_last, total = _content_range(headers, known_size, where)
         if (got_first, got_last) != (first, last):
             if got_first == first and total is not None and got_last == total - 1 < last:
                 raise ShortRead(f"{where}: file has only {total} bytes")
-            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
+            raise _bad_content_range(headers, where)
         return RangePlan(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
     if status == 200:  # the server ignored Range
         total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
@@ -701,34 +697,44 @@ def plan_suffix_response(
     range), answered by its last ``min(length, T)`` bytes. A 416, or a 200 of a file over the
     cap, means the server does not serve suffix ranges: :class:`SuffixUnsupported`."""
     if status == 206:
-        header = headers.get("Content-Range", "")
-        match = _CONTENT_RANGE.fullmatch(header.strip())
-        if match is None or match[3] == "*":
-            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
-        got_first, got_last, total = int(match[1]), int(match[2]), int(match[3])
-        if known_size is not None and total != known_size:
-            raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
-        if (got_first, got_last) != (max(0, total - length), total - 1):
-            raise BadRangeResponse(f"{where}: 206 with Content-Range {header!r}")
+        got_first, got_last, total = _content_range(headers, known_size, where)
+        if total is None or (got_first, got_last) != (max(0, total - length), total - 1):
+            raise _bad_content_range(headers, where)
         answer = total - got_first
         return RangePlan(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
-    announced = headers.get("Content-Length", "")
-    if status == 416 or (status == 200 and "Content-Range" not in headers
-                         and announced.isdigit() and int(announced) > whole_body_cap_bytes):
-        raise SuffixUnsupported(f"{where}: HTTP {status}")
+    if status == 416:
+        raise SuffixUnsupported(f"{where}: HTTP 416")
     if status == 200:
-        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
+        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where,
+                                 over_cap=SuffixUnsupported)
         answer = min(length, total)
         return RangePlan(body_bytes=total, skip_bytes=total - answer, file_size=total,
                          answer_bytes=answer)
     raise status_error(status, headers, where)
 
 
-def _whole_body_size(headers, known_size: int | None, whole_body_cap_bytes: int,
-                     where: str) -> int:
-    """The size of a 200 answer to a range request (the server ignored ``Range``), when it is
-    acceptable: no ``Content-Range``, a decimal ``Content-Length`` within the cap and equal to
+def _content_range(headers, known_size: int | None, where: str) -> tuple[int, int, int | None]:
+    """``(first, last, total)`` of a 206's ``Content-Range: bytes F-L/T`` (``total`` None for
+    ``*``); ``BadRangeResponse`` if it does not parse, ``PayloadChanged`` if ``T`` differs from
     the size seen before."""
+    match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+    if match is None:
+        raise _bad_content_range(headers, where)
+    total = None if match[3] == "*" else int(match[3])
+    if known_size is not None and total is not None and total != known_size:
+        raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+    return int(match[1]), int(match[2]), total
+
+
+def _bad_content_range(headers, where: str) -> BadRangeResponse:
+    return BadRangeResponse(f"{where}: 206 with Content-Range {headers.get('Content-Range', '')!r}")
+
+
+def _whole_body_size(headers, known_size: int | None, whole_body_cap_bytes: int, where: str,
+                     over_cap: type[Exception] = BadRangeResponse) -> int:
+    """The size of a 200 answer to a range request (the server ignored ``Range``), when it is
+    acceptable: no ``Content-Range``, a decimal ``Content-Length`` within the cap (else
+    ``over_cap``, raised before the body is read) and equal to the size seen before."""
     if "Content-Range" in headers:
         raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
     announced = headers.get("Content-Length", "")
@@ -736,7 +742,7 @@ def _whole_body_size(headers, known_size: int | None, whole_body_cap_bytes: int,
         raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
     total = int(announced)
     if total > whole_body_cap_bytes:
-        raise BadRangeResponse(
+        raise over_cap(
             f"{where}: server ignored Range and sent the whole file ({total} bytes > "
             f"{whole_body_cap_bytes}-byte cap)"
         )
