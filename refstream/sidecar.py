@@ -225,9 +225,7 @@ def file_states(source: IndexSource, relpaths: Sequence[str],
         return FileState(relpath, int(source.size(relpath)), fingerprint)
 
     distinct = sorted(set(relpaths))
-    if len(distinct) < 2:
-        return [state(r) for r in distinct]
-    with ThreadPoolExecutor(min(workers, len(distinct)),
+    with ThreadPoolExecutor(max(1, min(workers, len(distinct))),
                             thread_name_prefix="refstream-stat") as pool:
         return list(pool.map(state, distinct))
 
@@ -639,11 +637,9 @@ def ensure_index(
 ) -> IndexLocation:
     """A valid compact index for ``relpaths`` of ``dataset``: cached, published or built."""
     directory = cache_directory(dataset, cache_root)
-    if dataset.revision is not None:
-        pinned = _pinned_states(directory / "index.compact", dataset, relpaths)
-        if pinned is not None and _compact_is_valid(directory / "index.compact", dataset, pinned):
-            return IndexLocation(directory / "index.compact", directory / "index.npz", "cache",
-                                 None)
+    npz_path, compact_path = directory / "index.npz", directory / "index.compact"
+    if dataset.revision is not None and _pinned_compact_is_valid(compact_path, dataset, relpaths):
+        return IndexLocation(compact_path, npz_path, "cache", None)
     states = file_states(source, relpaths, workers)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -662,7 +658,6 @@ def ensure_index(
             stacklevel=2,
         )
         return _build_volatile(source, dataset, states, directory, workers, progress, indexer)
-    npz_path, compact_path = directory / "index.npz", directory / "index.compact"
     if _compact_is_valid(compact_path, dataset, states):
         return IndexLocation(compact_path, npz_path, "cache", None)
     if lock_timeout_s is None:
@@ -707,15 +702,12 @@ def open_index(
     return map_index(ensure_index(source, relpaths, dataset, **options).compact_path)
 
 
-def _pinned_states(path: Path, dataset: DatasetIdentity,
+def _pinned_states(manifest, dataset: DatasetIdentity,
                    relpaths: Sequence[str]) -> list[FileState] | None:
-    """The file states a cached compact index of a commit-pinned dataset recorded, if it holds
+    """The file states the manifest of a commit-pinned dataset's index recorded, if it holds
     exactly ``relpaths``, each fingerprinted with the dataset's commit; else None."""
-    try:
-        files = CompactIndex(path, verify=False).manifest.get("files")
-    except (FileNotFoundError, SidecarInvalid):
-        return None
     commit = f"commit:{dataset.revision}"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
         return None
     if [f.get("relpath") for f in files] != sorted(set(relpaths)) or any(
@@ -724,12 +716,36 @@ def _pinned_states(path: Path, dataset: DatasetIdentity,
     return [FileState(f["relpath"], f["size"], commit) for f in files]
 
 
+def _pinned_compact_is_valid(path: Path, dataset: DatasetIdentity,
+                             relpaths: Sequence[str]) -> bool:
+    """``_compact_is_valid`` for a commit-pinned dataset, against the states its index recorded
+    (the files cannot change under the commit, so the source is not asked)."""
+    manifest = _compact_manifest(path)
+    states = None if manifest is None else _pinned_states(manifest, dataset, relpaths)
+    return states is not None and _manifest_is_valid(manifest, dataset, states, path)
+
+
 def _compact_is_valid(path: Path, dataset: DatasetIdentity, states: Sequence[FileState]) -> bool:
+    manifest = _compact_manifest(path)
+    return manifest is not None and _manifest_is_valid(manifest, dataset, states, path)
+
+
+def _compact_manifest(path: Path):
+    """The manifest of the compact file at ``path`` (digest and bounds verified), or None when
+    it is missing or not a valid compact file."""
     try:
-        index = CompactIndex(path, verify=True)
-        _check_manifest(index.manifest, dataset, states, path)
+        return CompactIndex(path, verify=True).manifest
     except FileNotFoundError:
-        return False
+        return None
+    except SidecarInvalid as exc:
+        log.info("cached compact index not usable: %s", exc)
+        return None
+
+
+def _manifest_is_valid(manifest, dataset: DatasetIdentity, states: Sequence[FileState],
+                       path: Path) -> bool:
+    try:
+        _check_manifest(manifest, dataset, states, path)
     except SidecarInvalid as exc:
         log.info("cached compact index not usable: %s", exc)
         return False
