@@ -347,7 +347,7 @@ class Pass:
     cpu_s: float  # user + system of this process and its reaped children over the pass
     peak_rss_above_bytes: int
     peak_pss_above_bytes: int
-    decoded_frames: int | None  # counted by the loader itself (map-style), else None
+    decoded_frames: int  # counted by the loader itself (the workers' counters for refstream)
     worker_stats: list[dict] = field(default_factory=list)  # StreamingDataset.worker_stats()
     batch_times_s: list[tuple[float, int]] = field(default_factory=list)  # (t, samples so far)
     memory_series: list[tuple[float, int, int]] = field(default_factory=list)
@@ -360,14 +360,13 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
     start = time.perf_counter()
     dataset, loader = make_loader()
     batches = iter(loader)
-    samples = 0
-    decoded: int | None = None
+    samples = decoded = 0
     times: list[tuple[float, int]] = []
     try:
         for batch in batches:
             samples += len(batch["index"])
             if "bench.decoded_frames" in batch:
-                decoded = (decoded or 0) + int(batch["bench.decoded_frames"].sum())
+                decoded += int(batch["bench.decoded_frames"].sum())
             times.append((time.perf_counter() - start, samples))
             if max_batches is not None and len(times) >= max_batches:
                 break
@@ -384,6 +383,7 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
     steady = (last_samples - from_samples) / (last_s - from_s) if last_s > from_s else 0.0
     first_s = times[0][0]
     stats = dataset.worker_stats() if isinstance(dataset, StreamingDataset) else []
+    decoded += sum(w["decoded_frames"] for w in stats)
     return Pass(samples, first_s, steady, cpu, rss_above, pss_above, decoded, stats, times,
                 sampler.series)
 
@@ -830,8 +830,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             log_start, bytes_start = len(server.log), server.body_bytes
             passes = [timed_pass(download_and_open, config.baseline_batches)]
             traffic = http_traffic(server, log_start, None, server.body_bytes - bytes_start)
-            dl_amp = passes[0].decoded_frames / (passes[0].samples * delivered_per_sample)
-            methods.append(Method("download-then-read", passes, amplification=dl_amp,
+            methods.append(Method("download-then-read", passes,
                                   fetched_bytes=traffic.body_bytes, traffic=traffic))
 
             say("time to first sample over HTTP at two dataset sizes")
@@ -844,12 +843,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         say("map-style baseline")
         passes = [timed_pass(lambda r=r: _map_style(root, config, windows, r),
                              config.baseline_batches) for r in range(config.repeats)]
-        map_amp = sum(p.decoded_frames for p in passes) / (
-            sum(p.samples for p in passes) * delivered_per_sample)
-        methods.insert(0, Method("map-style", passes, amplification=map_amp))
-
-        methods = [replace(m, amplification=_worker_amplification(m.passes, delivered_per_sample))
-                   if m.name.startswith("refstream") else m for m in methods]
+        methods.insert(0, Method("map-style", passes))
+        methods = [replace(m, amplification=_amplification(m.passes, delivered_per_sample))
+                   for m in methods]
 
         say("decode ceiling")
         ceiling = decode_ceiling(root, meta, config.num_workers)
@@ -880,9 +876,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
                    seconds=time.perf_counter() - started)
 
 
-def _worker_amplification(passes: list[Pass], delivered_per_sample: int) -> float:
-    """Decoded ÷ delivered frames over refstream passes, from the workers' counters."""
-    decoded = sum(w["decoded_frames"] for p in passes for w in p.worker_stats)
+def _amplification(passes: list[Pass], delivered_per_sample: int) -> float:
+    """Decoded ÷ delivered frames over a method's passes."""
+    decoded = sum(p.decoded_frames for p in passes)
     return decoded / (sum(p.samples for p in passes) * delivered_per_sample)
 
 
