@@ -1,5 +1,6 @@
 """The ways people load LeRobot video data today, written here as ``refstream bench``'s
-baselines (PyAV only, no refstream streaming code):
+baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot rule,
+``refstream.stream.hf_to_torch``):
 
 ``MapStyleVideoDataset(root, delta_timestamps)``
     A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
@@ -34,6 +35,7 @@ from av.video.reformatter import VideoReformatter
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, load_meta
+from refstream.stream import hf_to_torch
 from refstream.tables import column_array
 from refstream.windows import make_windows, window_rows
 
@@ -115,10 +117,10 @@ class MapStyleVideoDataset:
         for key, values in self.columns.items():
             offsets = self.windows.offsets.get(key)
             if offsets is None:
-                item[key] = torch.as_tensor(_lerobot_dtype(values[first + frame]))
+                item[key] = hf_to_torch(values[first + frame])
             else:
                 rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = torch.as_tensor(_lerobot_dtype(values[first + rows]))
+                item[key] = hf_to_torch(values[first + rows])
                 item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
         decoded = 0
         for camera in meta.camera_keys:
@@ -135,15 +137,6 @@ class MapStyleVideoDataset:
         item["task"] = meta.tasks[int(self.columns["task_index"][first + frame])]
         item["bench.decoded_frames"] = torch.tensor(decoded)
         return item
-
-
-def _lerobot_dtype(values) -> np.ndarray:
-    array = np.array(values, copy=True)
-    if array.dtype.kind == "f":
-        return array.astype(np.float32)
-    if array.dtype.kind in "iu":
-        return array.astype(np.int64)
-    return array
 
 
 # --- the decode ceiling -----------------------------------------------------------------------

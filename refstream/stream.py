@@ -592,10 +592,10 @@ class _WorkerStream:
             values = data.rows[key]
             offsets = self.ds.windows.offsets.get(key)
             if offsets is None:
-                item[key] = _value(values[frame])
+                item[key] = hf_to_torch(values[frame])
             else:
                 rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = _value(values[rows])
+                item[key] = hf_to_torch(values[rows])
                 item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
         row = self.meta.row(episode)
         timestamps = data.rows["timestamp"]
@@ -638,7 +638,7 @@ class _WorkerStream:
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _value(values: np.ndarray) -> torch.Tensor | object:
+def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
     """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
     Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
     array = np.asarray(values)
