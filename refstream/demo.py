@@ -571,7 +571,7 @@ class LoopbackServer:
     url: str = ""
     requests: int = 0  # every request line received (HEAD and GET, any status)
     range_requests: int = 0  # GET requests that carried a Range header
-    body_bytes: int = 0  # response body bytes sent
+    body_bytes: int = 0  # response body bytes answered (counted as the answer starts)
     log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
     # (method, path, Range header or None, status)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -632,14 +632,16 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
 
         def _finish(self, status: int, headers: dict[str, str], body: bytes, send_body: bool,
                     range_header: str | None) -> None:
+            # Counted before the answer leaves: a client that has read the answer must find
+            # its request in the counters.
+            server_state._record(self.command, self.path, range_header, status,
+                                 len(body) if send_body else 0)
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
             if send_body:
                 self.wfile.write(body)
-            server_state._record(self.command, self.path, range_header, status,
-                                 len(body) if send_body else 0)
 
         def _respond(self, send_body: bool) -> None:
             range_header = self.headers.get("Range")
