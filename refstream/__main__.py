@@ -1,5 +1,5 @@
 import sys
 
-from refstream.cli import main
+from refstream.tools.cli import main
 
 sys.exit(main())

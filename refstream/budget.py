@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError
 
-__all__ = ["ByteBudget", "BudgetSnapshot", "conformance_budget_ops"]
+__all__ = ["ByteBudget", "BudgetSnapshot"]
 
 
 @dataclass(frozen=True)
@@ -295,42 +295,3 @@ class ByteBudget:
         entry = self._table.pop(episode)
         self._reserved_bytes -= entry.size_bytes
         self._resident_bytes -= entry.resident_bytes
-
-
-def conformance_budget_ops(case: dict) -> dict:
-    """Conformance kind ``budget_ops``: replay ``ops`` on a ``ByteBudget(budget_bytes)``.
-
-    Each op is ``[name, episode]`` or ``[name, episode, bytes]`` with name one of
-    ``try_reserve`` / ``acquire`` (bytes = size; ``acquire`` never waits here), ``release``,
-    ``claim_fetch``, ``mark_resident`` (bytes = payload), ``mark_fetched``, ``forget``,
-    ``close``. Per op the answer lists the call's result (true/false, null for calls without
-    one, or ``{"error": ClassName}``) and the episodes it evicted; then the final LRU order and
-    counters.
-    """
-    budget = ByteBudget(case["budget_bytes"])
-    calls = {
-        "try_reserve": lambda e, n: budget.try_reserve(e, n),
-        "acquire": lambda e, n: budget.acquire(e, n, timeout_s=0),
-        "release": lambda e, n: budget.release(e),
-        "claim_fetch": lambda e, n: budget.claim_fetch(e),
-        "mark_resident": lambda e, n: budget.mark_resident(e, n),
-        "mark_fetched": lambda e, n: budget.mark_fetched(e),
-        "forget": lambda e, n: budget.forget(e),
-        "close": lambda e, n: budget.close(),
-    }
-    results, evicted = [], []
-    for name, episode, *size in case["ops"]:
-        try:
-            results.append(calls[name](episode, size[0] if size else 0))
-        except (BudgetError, UsageError) as exc:
-            results.append({"error": type(exc).__name__})
-        evicted.append(budget.take_evicted())
-    snap = budget.snapshot()
-    return {
-        "results": results,
-        "evicted": evicted,
-        "lru": budget.lru_order(),
-        "reserved_bytes": snap.reserved_bytes,
-        "resident_bytes": snap.resident_bytes,
-        "leases": snap.leases,
-    }

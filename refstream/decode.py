@@ -65,7 +65,6 @@ __all__ = [
     "default_decoder_capacity",
     "select_frames",
     "PIXEL_DTYPES",
-    "conformance_frame_select",
 ]
 
 
@@ -244,19 +243,6 @@ def select_frames(
             )
         chosen[i] = best
     return chosen
-
-
-def conformance_frame_select(case: dict) -> dict:
-    """Conformance kind ``frame_select``: the selection rule alone, no video.
-
-    Input ``{"pts": [ticks…], "time_base": [num, den], "times_s": [...], "tolerance_s": x}``
-    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``.
-    """
-    pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
-    time_base = Fraction(*case["time_base"])
-    chosen = select_frames(pts_ticks, time_base, np.array(case["times_s"], dtype=np.float64),
-                           case["tolerance_s"])
-    return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
 
 def default_decoder_capacity(pool_size: int, cameras: int) -> int:

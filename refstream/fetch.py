@@ -117,9 +117,6 @@ __all__ = [
     "plan_suffix_response",
     "RangePlan",
     "parse_retry_after",
-    "conformance_range_response",
-    "conformance_suffix_response",
-    "conformance_hf_url",
     "WHOLE_BODY_CAP_BYTES",
     "RETRY_STATUSES",
 ]
@@ -936,64 +933,3 @@ class RangeFile(io.RawIOBase):
         self.reads += 1
         self.bytes_read += length
         return data
-
-
-# --- conformance ---------------------------------------------------------------------------
-
-
-def conformance_range_response(case: dict) -> dict:
-    """Conformance kind ``range_response``: judge a response to ``Range: bytes=first-last``.
-
-    Input: ``first``, ``last``, ``status``, ``headers`` (name -> value), ``known_size`` (or
-    null), ``whole_body_cap_bytes``. Answer: ``{"body_bytes", "skip_bytes", "file_size"}`` when
-    the body is to be read, ``{"retry": true, "retry_after_s": x | null}`` when the attempt is
-    to be retried, else the error (``{"error": ClassName}`` via the runner).
-    """
-    headers = CaseInsensitiveDict(case["headers"])
-    try:
-        plan = plan_range_response(
-            case["first"], case["last"], case["status"], headers,
-            known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-            where="case",
-        )
-    except _Transient as exc:
-        return {"retry": True, "retry_after_s": exc.retry_after_s}
-    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
-            "file_size": plan.file_size}
-
-
-def conformance_suffix_response(case: dict) -> dict:
-    """Conformance kind ``suffix_response``: judge a response to ``Range: bytes=-length``.
-
-    Input: ``length``, ``status``, ``headers``, ``known_size`` (or null),
-    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``; or
-    ``{"fallback": true}`` when the size and a plain range are to be asked instead.
-    """
-    headers = CaseInsensitiveDict(case["headers"])
-    try:
-        plan = plan_suffix_response(
-            case["length"], case["status"], headers, known_size=case["known_size"],
-            whole_body_cap_bytes=case["whole_body_cap_bytes"], where="case",
-        )
-    except _Transient as exc:
-        return {"retry": True, "retry_after_s": exc.retry_after_s}
-    except SuffixUnsupported:
-        return {"fallback": True}
-    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
-            "file_size": plan.file_size, "answer_bytes": plan.answer_bytes}
-
-
-def conformance_hf_url(case: dict) -> dict:
-    """Conformance kind ``hf_url``: the URLs an ``hf://`` root maps to.
-
-    Input: ``root``, ``endpoint``, ``relpath`` and ``commit`` (what the Hub's revision API
-    answers, used only when a branch or tag needs pinning). Answer: ``revision_api_url`` (null
-    when nothing is pinned), ``url`` of ``relpath`` and its ``identity`` (null for buckets).
-    """
-    hf = parse_hf_root(case["root"], case["endpoint"])
-    commit = case["commit"] if hf.revision_api_url is not None else hf.revision
-    return {
-        "revision_api_url": hf.revision_api_url,
-        "url": f"{hf.base_url(commit)}/{quote(check_relpath(case['relpath']), safe='/')}",
-        "identity": None if hf.kind == "buckets" else f"commit:{commit}",
-    }

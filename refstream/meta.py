@@ -58,8 +58,7 @@ from refstream.errors import (
 
 __all__ = [
     "Source",
-    "MemorySource",
-    "DatasetMeta",
+        "DatasetMeta",
     "load_meta",
     "select_episodes",
     "check_relpath",
@@ -67,7 +66,6 @@ __all__ = [
     "TASKS_PATH",
     "EPISODES_PATH",
     "EPISODE_COLUMNS",
-    "conformance_meta",
 ]
 
 INFO_PATH = "meta/info.json"
@@ -491,64 +489,3 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
     for position, text in zip(index.tolist(), table["task"].to_pylist(), strict=True):
         tasks[position] = text
     return tasks
-
-
-# --- conformance -------------------------------------------------------------------------------
-
-# Arrow types a conformance case may give a Parquet column.
-CASE_COLUMN_TYPES = {
-    "int64": pa.int64(),
-    "float64": pa.float64(),
-    "string": pa.string(),
-    "list<string>": pa.list_(pa.string()),
-    "list<float64>": pa.list_(pa.float64()),
-}
-
-
-def conformance_meta(case: dict) -> dict:
-    """Conformance adapter of kind ``meta``.
-
-    Input ``{"files": {relpath: file}, "select": [int] | null (optional)}`` where a file is
-    ``{"json": value}``, ``{"text": str}`` or
-    ``{"parquet": {column: {"type": T, "values": [...]}}}`` with T one of
-    :data:`CASE_COLUMN_TYPES` (written as one Parquet file with one row group). The answer lists
-    the loaded metadata per episode (see ``spec/SPEC.md`` §4) and, when ``select`` is
-    present, ``selection``.
-    """
-    meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))
-    ids = [int(e) for e in meta.episode_index]
-    answer = {
-        "fps": meta.fps,
-        "camera_keys": meta.camera_keys,
-        "parquet_keys": meta.parquet_keys,
-        "total_episodes": meta.total_episodes,
-        "total_frames": meta.total_frames,
-        "episode_index": ids,
-        "from_index": meta.from_index.tolist(),
-        "to_index": meta.to_index.tolist(),
-        "frames": [meta.frames(e) for e in ids],
-        "data_relpath": [meta.data_relpath(e) for e in ids],
-        "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
-        "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
-        "video_to_s": {k: meta.video_to_s[k].tolist() for k in meta.camera_keys},
-        "tasks": meta.tasks,
-    }
-    if "select" in case:
-        answer["selection"] = select_episodes(meta, case["select"])
-    return answer
-
-
-def _case_file(description: dict) -> bytes:
-    if "json" in description:
-        return json.dumps(description["json"]).encode()
-    if "text" in description:
-        return description["text"].encode()
-    table = pa.table(
-        {
-            name: pa.array(column["values"], CASE_COLUMN_TYPES[column["type"]])
-            for name, column in description["parquet"].items()
-        }
-    )
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    return sink.getvalue()

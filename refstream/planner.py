@@ -446,69 +446,6 @@ def resume_positions(
     )
 
 
-# --- conformance adapters ---------------------------------------------------------------------
-
-
-def conformance_plan(case: dict) -> dict:
-    """Conformance kind ``plan``: one worker's anchors after skipping ``skip`` (default 0), the
-    ``frontier`` (k = ``frontier``, default 0) right after the skip, and every admission and
-    eviction of the epoch in order."""
-    planner = Planner(
-        case["episodes"],
-        case["frames"],
-        seed=case["seed"],
-        epoch=case["epoch"],
-        rank=case["rank"],
-        worker=case["worker"],
-        strategy=case["strategy"],
-        pool_size=case["pool_size"],
-        byte_sizes=case.get("byte_sizes"),
-        byte_budget=case.get("byte_budget"),
-    )
-    planner.skip(case.get("skip", 0))
-    frontier = planner.frontier(case.get("frontier", 0))
-    anchors = [list(anchor) for anchor in planner]
-    admitted, evicted = planner.drain_events()
-    return {"anchors": anchors, "frontier": frontier, "admitted": admitted, "evicted": evicted}
-
-
-def conformance_batches_per_worker(case: dict) -> dict:
-    """Conformance kind ``batches_per_worker``: ``counts`` and ``next`` of the replay."""
-    counts, next_worker = batches_per_worker(case["batches"], case["limits"])
-    return {"counts": counts, "next": next_worker}
-
-
-def conformance_resume(case: dict) -> dict:
-    """Conformance kind ``resume``: :func:`resume_positions` of the case."""
-    positions = resume_positions(
-        case["worker_frames"],
-        case["batch_size"],
-        epoch=case["epoch"],
-        samples=case["samples"],
-        repeat=case["repeat"],
-        rank_batches=case.get("rank_batches"),
-    )
-    return {
-        "epochs": list(positions.epochs),
-        "offsets": list(positions.offsets),
-        "stops": list(positions.stops),
-        "rotation": positions.rotation,
-    }
-
-
-def conformance_epoch_batches(case: dict) -> dict:
-    """Conformance kind ``epoch_batches``: the batches every rank yields in a finite epoch."""
-    return {"batches": epoch_batches(case["world_worker_frames"], case["batch_size"])}
-
-
-def conformance_resume_state(case: dict) -> dict:
-    """Conformance kind ``resume_state``: parse ``saved`` and check it against ``current`` (a
-    setup); the answer is the position it resumes from."""
-    state = ResumeState.from_dict(case["saved"])
-    state.require_setup(ResumeSetup(**case["current"]))
-    return {"epoch": state.epoch, "samples": state.samples}
-
-
 # --- a printable plan (``refstream plan``) ----------------------------------------------------
 
 

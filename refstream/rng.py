@@ -129,17 +129,3 @@ def permutation_list(key: int, ids: Sequence[int]) -> list[int]:
     if any(i < 0 for i in ids):
         raise UsageError(f"permutation ids must be non-negative, got {min(ids)}")
     return sorted(ids, key=lambda i: (u64(key, i), i))
-
-
-def conformance_rng(case: dict) -> dict:
-    """Conformance kind ``rng``: the key of ``seed`` + ``labels``, its words at ``indices``,
-    ``below(below_n, key, i)`` at the same indices and the permutation of ``permute``. 64-bit
-    words are written as ``"0x"`` + 16 lowercase hex digits."""
-    key = derive_key(case["seed"], *case["labels"])
-    indices = case["indices"]
-    return {
-        "key": f"0x{key:016x}",
-        "u64": [f"0x{u64(key, i):016x}" for i in indices],
-        "below": [below(case["below_n"], key, i) for i in indices],
-        "permutation": permutation(key, case["permute"]).tolist(),
-    }

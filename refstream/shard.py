@@ -141,34 +141,3 @@ def split_limits(
     else:
         decoders = max(1, decoder_cache // num_workers)
     return WorkerLimits(pool_size=pool, byte_budget=budget, decoder_cache=decoders)
-
-
-def conformance_shard(case: dict) -> dict:
-    """Conformance kind ``shard``: every rank's share of ``episodes``/``frames`` over
-    ``world_size`` ranks and its split over ``num_workers`` workers, with frame totals."""
-    ids, frames = case["episodes"], case["frames"]
-    count = dict(zip(ids, frames, strict=True))
-    ranks = [rank_share(ids, frames, r, case["world_size"]) for r in range(case["world_size"])]
-    workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
-    return {
-        "ranks": ranks,
-        "rank_frames": [sum(count[e] for e in r) for r in ranks],
-        "workers": workers,
-        "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers],
-    }
-
-
-def conformance_limits(case: dict) -> dict:
-    """Conformance kind ``limits``: :func:`split_limits` of the case's per-rank settings."""
-    limits = split_limits(
-        case["num_workers"],
-        pool_size=case["pool_size"],
-        byte_budget=case["byte_budget"],
-        decoder_cache=case["decoder_cache"],
-        cameras=case["cameras"],
-    )
-    return {
-        "pool_size": limits.pool_size,
-        "byte_budget": limits.byte_budget,
-        "decoder_cache": limits.decoder_cache,
-    }

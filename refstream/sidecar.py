@@ -118,7 +118,6 @@ __all__ = [
     "video_relpaths",
     "dataset_identity",
     "export_npz",
-    "conformance_sidecar_storage",
 ]
 
 log = logging.getLogger(__name__)
@@ -477,19 +476,6 @@ def _storage(values: np.ndarray) -> tuple[dict, np.ndarray | None]:
         return {"value": values[0].item() if values.size else values.dtype.type(0).item()}, None
     stored = values if values.dtype == bool else values.astype(_narrowest(values))
     return {"dtype": stored.dtype.str, "offset": None}, stored
-
-
-def conformance_sidecar_storage(case: dict) -> dict:
-    """Conformance kind ``sidecar_storage``: how the compact file stores one array.
-
-    Input ``{"values": [int…] | [bool…]}``; answer ``{"value": v}`` for a constant or empty
-    array (empty: ``0``, or ``false`` for flags), else ``{"dtype": "u1"|"i1"|"u2"|"i2"|"u4"|"i4"|
-    "i8"|"b1"}`` (little-endian).
-    """
-    raw = case["values"]
-    flags = bool(raw) and all(isinstance(v, bool) for v in raw) or case.get("flags", False)
-    block, _ = _storage(np.array(raw, dtype=bool if flags else np.int64))
-    return block if "value" in block else {"dtype": block["dtype"].lstrip("<|")}
 
 
 def _narrowest(values: np.ndarray) -> np.dtype:

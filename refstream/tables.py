@@ -49,7 +49,6 @@ __all__ = [
     "read_episode_rows",
     "column_array",
     "candidate_row_groups",
-    "conformance_row_group_candidates",
     "EPISODE_COLUMN",
     "FRAME_COLUMN",
 ]
@@ -187,10 +186,3 @@ def column_array(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
         raise TableError(f"{where}: column {name!r} of type {column.type} has no numeric "
                          "form") from exc
     return values.reshape(shape)
-
-
-def conformance_row_group_candidates(case: dict) -> dict:
-    """Conformance kind ``row_group_candidates``: :func:`candidate_row_groups` of
-    ``stats`` (a list of ``[min, max]`` or null per row group) for ``episode``."""
-    stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
-    return {"candidates": candidate_row_groups(stats, int(case["episode"]))}

@@ -30,7 +30,7 @@ import numpy as np
 
 from refstream.errors import UsageError
 
-__all__ = ["Windows", "make_windows", "window_rows", "conformance_windows"]
+__all__ = ["Windows", "make_windows", "window_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,32 +86,6 @@ def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarra
         raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
     target = frame + np.asarray(offsets, dtype=np.int64)
     return np.clip(target, 0, length - 1), (target < 0) | (target >= length)
-
-
-def conformance_windows(case: dict) -> dict:
-    """Conformance adapter of kind ``windows``.
-
-    Input ``{delta_timestamps, fps, tolerance_s, length, frames, feature_keys?}``; answer
-    ``{offsets: {key: [int]}, rows: {key: [[int] per frame]}, is_pad: {key: [[bool] per frame]}}``.
-    """
-    windows = make_windows(
-        case["delta_timestamps"],
-        case["fps"],
-        case["tolerance_s"],
-        feature_keys=case.get("feature_keys"),
-    )
-    rows: dict[str, list] = {key: [] for key in windows.offsets}
-    is_pad: dict[str, list] = {key: [] for key in windows.offsets}
-    for frame in case["frames"]:
-        for key, offsets in windows.offsets.items():
-            key_rows, key_pad = window_rows(offsets, frame, case["length"])
-            rows[key].append(key_rows.tolist())
-            is_pad[key].append(key_pad.tolist())
-    return {
-        "offsets": {key: offsets.tolist() for key, offsets in windows.offsets.items()},
-        "rows": rows,
-        "is_pad": is_pad,
-    }
 
 
 def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:

@@ -8,7 +8,7 @@ runner must report every case as failed and point at the corrupted place.
 import json
 import sys
 
-from refstream.conformance import answer
+from refstream.tools.conformance import answer
 
 
 def corrupt(value):

@@ -18,8 +18,8 @@ from pathlib import Path
 import av
 import numpy as np
 
-from refstream.demo import keep_scheduling
 from refstream.mp4 import SampleIndex
+from refstream.tools.demo import keep_scheduling
 
 # SVT-AV1 prints its configuration on every open unless told to log errors only.
 os.environ.setdefault("SVT_LOG", "1")

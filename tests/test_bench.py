@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from refstream import baselines, bench
-from refstream.cli import main
-from refstream.demo import read_frame_label
+from refstream.tools import baselines, bench
+from refstream.tools.cli import main
+from refstream.tools.demo import read_frame_label
 
 QUICK = bench.BenchConfig.quick()
 

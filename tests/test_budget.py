@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refstream.budget import ByteBudget
-from refstream.conformance import first_difference, in_process, load_cases
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError
+from refstream.tools.conformance import first_difference, in_process, load_cases
 
 
 def fetched(budget: ByteBudget, episode: int, size: int, *, resident: int | None = None) -> None:

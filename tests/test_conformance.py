@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from refstream import conformance
+from refstream.tools import conformance
 
 CASES = conformance.load_cases()
 TESTS_DIR = Path(__file__).resolve().parent
@@ -29,7 +29,7 @@ def test_refstream_passes_every_fixture(case):
 def test_the_protocol_command_gives_the_same_answers():
     # One case per kind through a real subprocess: proves the stdin/stdout protocol end to end.
     one_per_kind = {case.kind: case for case in CASES}.values()
-    ask = conformance.via_command(f"{sys.executable} -m refstream.conformance")
+    ask = conformance.via_command(f"{sys.executable} -m refstream.tools.conformance")
     for outcome in conformance.run(list(one_per_kind), ask):
         assert outcome.difference is None, (outcome.case.path, outcome.difference)
 

@@ -14,11 +14,12 @@ import torch
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
-from refstream import conformance, decode
+from refstream import decode
 from refstream.decode import DecoderCache, EpisodeDecoder, default_decoder_capacity
 from refstream.errors import DecodeError, FrameNotFound, UsageError
 from refstream.mp4 import parse_index_bytes
 from refstream.synth import select_span, synthesize
+from refstream.tools import conformance
 
 VIDEOS = {  # name: (codec, gop, bframes, open_gop)
     "h264-bframes": ("libx264", 10, 2, False),

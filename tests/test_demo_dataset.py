@@ -12,7 +12,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from refstream.demo import frame_picture, read_frame_label, serve_directory, write_demo_dataset
+from refstream.tools.demo import (
+    frame_picture,
+    read_frame_label,
+    serve_directory,
+    write_demo_dataset,
+)
 
 ORACLE = Path("/work/shared/lerobot-oracle/lr_av1")
 for candidate in (Path(__file__).parents[1] / "spec/fixtures/lerobot/lr_av1", ORACLE):
@@ -205,7 +210,7 @@ def test_loopback_server_ranges_etag_keepalive(tmp_path):
 
 
 def test_demo_command_verifies_every_frame(tmp_path, capsys):
-    from refstream.cli import main
+    from refstream.tools.cli import main
 
     assert main(["demo", "--workdir", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out

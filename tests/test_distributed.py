@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from refstream.demo import write_demo_dataset
+from refstream.tools.demo import write_demo_dataset
 
 WORLD_SIZE = 2
 BATCH = 4

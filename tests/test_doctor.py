@@ -24,25 +24,24 @@ from hypothesis import strategies as st
 from lerobot_layout import write_layout
 
 from refstream import sidecar
-from refstream.cli import main
-from refstream.demo import serve_directory, write_demo_dataset
-from refstream.doctor import (
-    CHECK_NAMES,
-    MAX_LISTED_PROBLEMS,
-    check_dataset,
-    conformance_doctor_requests,
-    conformance_doctor_tiling,
-    episode_tiling,
-)
 from refstream.errors import UsageError
 from refstream.fetch import open_source
 from refstream.meta import load_meta
+from refstream.tools import adapters
+from refstream.tools.cli import main
+from refstream.tools.demo import serve_directory, write_demo_dataset
+from refstream.tools.doctor import (
+    CHECK_NAMES,
+    MAX_LISTED_PROBLEMS,
+    check_dataset,
+    episode_tiling,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LEROBOT_ROOT = REPO / "spec" / "fixtures" / "lerobot" / "lr_av1"
 FIXTURES = REPO / "spec" / "fixtures" / "doctor"
-ADAPTERS = {"doctor_tiling": conformance_doctor_tiling,
-            "doctor_requests": conformance_doctor_requests}
+ADAPTERS = {"doctor_tiling": adapters.kind_doctor_tiling,
+            "doctor_requests": adapters.kind_doctor_requests}
 FRONT, WRIST = "observation.images.front", "observation.images.wrist"
 # Four episodes, two per video file and per data file: file-000 holds episodes 0 and 1,
 # file-001 holds 2 and 3 (videos and data alike).
@@ -410,8 +409,8 @@ def test_episodes_claiming_the_same_video_window_are_named(dataset):
     """Episode 1 of the front camera claims episode 0's window: every request has a frame, and
     streaming does not fail — it silently serves episode 0's pictures (read from their labels);
     only the doctor catches it."""
-    from refstream.demo import read_frame_label
     from refstream.stream import StreamingDataset
+    from refstream.tools.demo import read_frame_label
 
     for column in ("from_timestamp", "to_timestamp"):
         rewrite_column(dataset / EPISODES_FILE, f"videos/{FRONT}/{column}",

@@ -47,9 +47,9 @@ from torch.utils.data import DataLoader
 
 import refstream.stream
 from refstream import errors
-from refstream.demo import read_frame_label, write_demo_dataset
 from refstream.fetch import RetryPolicy, open_source
 from refstream.stream import StreamingDataset
+from refstream.tools.demo import read_frame_label, write_demo_dataset
 
 LENGTHS = (20, 20, 20, 20, 20, 20)
 # Different sizes per camera: a camera mix-up changes the shape, not only the pixels.

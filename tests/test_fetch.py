@@ -17,7 +17,6 @@ import pytest
 from nginx import nginx_server  # noqa: F401 - pytest fixture
 from rangeserver import Faults, HubConfig, RangeServer, etag_of, second_loopback_host
 
-from refstream.conformance import first_difference, in_process, load_cases
 from refstream.errors import (
     BadRangeResponse,
     HTTPStatusError,
@@ -37,6 +36,7 @@ from refstream.fetch import (
     open_source,
     parse_retry_after,
 )
+from refstream.tools.conformance import first_difference, in_process, load_cases
 
 FILE_BYTES = 300_000
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -27,10 +27,10 @@ from refstream.errors import (
 from refstream.fetch import LocalSource
 from refstream.meta import (
     check_relpath,
-    conformance_meta,
     load_meta,
     select_episodes,
 )
+from refstream.tools import adapters
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 ORACLE_ROOT = SPEC / "fixtures" / "lerobot" / "lr_av1"
@@ -411,7 +411,7 @@ def test_meta_fixtures(path):
     else:
         assert expected == derive_meta_answer(case["input"])
     try:
-        answer = conformance_meta(json.loads(json.dumps(case["input"])))
+        answer = adapters.kind_meta(json.loads(json.dumps(case["input"])))
     except errors.RefstreamError as exc:
         answer = {"error": type(exc).__name__}
         assert ERROR_REASONS[path.stem] in str(exc)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from refstream import errors
-from refstream.conformance import conformance_mp4_index
 from refstream.mp4 import parse_index, parse_index_bytes, walk_boxes
+from refstream.tools.adapters import kind_mp4_index
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 DESCRIPTIONS = {p.stem: json.loads(p.read_text()) for p in sorted(MEDIA.glob("*.json"))}
@@ -261,9 +261,9 @@ def test_conformance_mp4_index(case):
     assert doc["kind"] == "mp4_index"
     if "error" in doc["expected"]:
         with pytest.raises(getattr(errors, doc["expected"]["error"])):
-            conformance_mp4_index(doc["input"])
+            kind_mp4_index(doc["input"])
     else:
-        assert conformance_mp4_index(doc["input"]) == doc["expected"]
+        assert kind_mp4_index(doc["input"]) == doc["expected"]
 
 
 # --- edits that FFmpeg would apply by dropping or discarding samples are refused -------------
@@ -297,7 +297,7 @@ def test_trimming_edits_are_refused(tmp_path, field, value):
 
 
 def test_inspect_json_carries_the_whole_sample_table(capsys):
-    from refstream.cli import main
+    from refstream.tools.cli import main
 
     path = MEDIA / "h264_opengop.mp4"
     assert main(["inspect", str(path), "--json"]) == 0

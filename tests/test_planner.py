@@ -13,10 +13,10 @@ from core_oracle import expected_plan, plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refstream import conformance
 from refstream.errors import EpisodeTooLarge, ShardingError, UsageError
 from refstream.planner import Planner
 from refstream.shard import rank_share, split_limits, worker_shares
+from refstream.tools import conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "plan"
 STRATEGY = st.sampled_from(["pool", "round_robin"])
@@ -263,7 +263,7 @@ def test_plan_fixtures(path):
 def test_plan_command_on_a_written_dataset(tmp_path, capsys):
     from lerobot_layout import write_layout
 
-    from refstream.cli import main
+    from refstream.tools.cli import main
 
     lengths = [7, 0, 12, 5, 9, 3]
     layout = write_layout(tmp_path / "ds", lengths)

@@ -19,8 +19,6 @@ from core_oracle import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refstream import conformance
-from refstream import planner as planner_module
 from refstream.errors import (
     ResumeError,
     ShardingError,
@@ -37,6 +35,7 @@ from refstream.planner import (
     selection_digest,
 )
 from refstream.shard import rank_share, worker_shares
+from refstream.tools import adapters, conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "resume"
 
@@ -78,7 +77,7 @@ def resume_inputs(draw):
 @settings(max_examples=300, deadline=None)
 @given(resume_inputs())
 def test_resume_positions_match_dataloader_simulation(case):
-    assert planner_module.conformance_resume(case) == expected_resume(case)
+    assert adapters.kind_resume(case) == expected_resume(case)
 
 
 def share_streams(shares, frames, *, seed, strategy, pool):

@@ -11,8 +11,9 @@ from core_oracle import expected_rng, key_of, keyed_order, word
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refstream import conformance, rng
+from refstream import rng
 from refstream.errors import UsageError
+from refstream.tools import conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "rng"
 U64 = st.integers(0, 2**64 - 1)

@@ -21,8 +21,8 @@ from rangeserver import HubConfig, RangeServer, second_loopback_host
 from torch.utils.data import DataLoader
 
 from refstream import errors
-from refstream.demo import read_frame_label, write_demo_dataset
 from refstream.stream import StreamingDataset
+from refstream.tools.demo import read_frame_label, write_demo_dataset
 
 TOKEN = "hf_refstreamSecretToken0123456789abcdef"
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"

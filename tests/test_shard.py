@@ -10,8 +10,9 @@ from core_oracle import expected_shard, lpt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refstream import conformance, shard
+from refstream import shard
 from refstream.errors import ShardingError, UsageError
+from refstream.tools import conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "shard"
 

@@ -32,6 +32,7 @@ from refstream.errors import (
 from refstream.fetch import LocalSource
 from refstream.mp4 import SampleIndex
 from refstream.sidecar import DatasetIdentity, ensure_index, map_index, read_npz
+from refstream.tools import adapters
 
 TESTS = Path(__file__).resolve().parent
 HELPER = TESTS / "sidecar_helpers.py"
@@ -486,8 +487,8 @@ def test_workers_map_the_compact_index_read_only_and_share_its_pages(root, cache
 
 
 def test_the_index_command_builds_refreshes_and_publishes(tmp_path, monkeypatch, capsys):
-    from refstream.cli import main
-    from refstream.demo import write_demo_dataset
+    from refstream.tools.cli import main
+    from refstream.tools.demo import write_demo_dataset
 
     root = tmp_path / "lerobot"
     write_demo_dataset(root, episode_lengths=(6, 5, 7), episodes_per_video_file=2)
@@ -523,7 +524,7 @@ def test_storage_cases_match_the_oracle_and_the_adapter(path):
     case = json.loads(path.read_text())
     assert case["kind"] == "sidecar_storage"
     assert oracle_sidecar_storage(case["input"]) == case["expected"]
-    assert sidecar.conformance_sidecar_storage(case["input"]) == case["expected"]
+    assert adapters.kind_sidecar_storage(case["input"]) == case["expected"]
 
 
 def test_there_are_storage_cases():

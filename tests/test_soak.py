@@ -1,11 +1,11 @@
 """Soak: many epochs with two workers and ``repeat=True`` leak no memory, threads or descriptors.
 
 One DataLoader iterator over ``StreamingDataset(repeat=True)`` runs ``EPOCHS`` epochs of a small
-real dataset served over HTTP by ``refstream.demo.serve_directory`` in a *separate process* (so
-the server's own bookkeeping does not count against this process). Every sample's pixels must
-show its (episode, frame) label, and after each epoch (``total_frames`` samples) the test samples,
-from ``/proc``: RSS of this process and of each worker, and each worker's thread and descriptor
-counts.
+real dataset served over HTTP by ``refstream.tools.demo.serve_directory`` in a *separate
+process* (so the server's own bookkeeping does not count against this process). Every sample's
+pixels must show its (episode, frame) label, and after each epoch (``total_frames`` samples) the
+test samples, from ``/proc``: RSS of this process and of each worker, and each worker's thread
+and descriptor counts.
 
 Tolerances, stated honestly:
 
@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from refstream.demo import read_frame_label, write_demo_dataset
 from refstream.stream import StreamingDataset
+from refstream.tools.demo import read_frame_label, write_demo_dataset
 
 LENGTHS = (20, 20, 20, 20)  # equal shares: each worker yields half of every epoch
 CAMERAS = ("observation.images.front", "observation.images.wrist")
@@ -52,7 +52,7 @@ CLOSE_WAIT_S = 10.0
 
 SERVER_SCRIPT = """
 import sys
-from refstream.demo import serve_directory
+from refstream.tools.demo import serve_directory
 with serve_directory(sys.argv[1]) as server:
     print(server.url, flush=True)
     sys.stdin.read()  # serve until the test closes our stdin

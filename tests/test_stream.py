@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from refstream.demo import read_frame_label, serve_directory, write_demo_dataset
 from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
 from refstream.stream import GIB, StreamingDataset
+from refstream.tools.demo import read_frame_label, serve_directory, write_demo_dataset
 
 FPS = 30
 TOLERANCE_S = 1e-4
@@ -408,7 +408,7 @@ def test_set_epoch_changes_order_and_reaches_persistent_workers(resume_root):
 def test_stream_command_summary(dataset_root, capsys):
     import json
 
-    from refstream.cli import main
+    from refstream.tools.cli import main
 
     windows = json.dumps({"action": [0.0, 1 / FPS]})
     assert main(["stream", str(dataset_root), "--episodes", "1,3", "--num-workers", "2",

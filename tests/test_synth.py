@@ -13,7 +13,6 @@ import av
 import numpy as np
 import pytest
 
-from refstream.conformance import conformance_span, conformance_synth
 from refstream.errors import FrameNotFound, UsageError
 from refstream.mp4 import SampleIndex, parse_index, parse_index_bytes
 from refstream.synth import (
@@ -23,6 +22,7 @@ from refstream.synth import (
     synthesize_header,
     synthesized_size,
 )
+from refstream.tools.adapters import kind_span, kind_synth
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 REAL = ["av1_g2", "av1_g30", "h264_nob", "h264_intra", "h264_b", "h264_negcts", "h264_opengop",
@@ -268,13 +268,13 @@ SYNTH_CASES = sorted((MEDIA.parent / "synth").glob("*.json"))
 @pytest.mark.parametrize("case", SPAN_CASES, ids=[c.stem for c in SPAN_CASES])
 def test_conformance_span(case):
     doc = json.loads(case.read_text())
-    assert doc["kind"] == "span" and conformance_span(doc["input"]) == doc["expected"]
+    assert doc["kind"] == "span" and kind_span(doc["input"]) == doc["expected"]
 
 
 @pytest.mark.parametrize("case", SYNTH_CASES, ids=[c.stem for c in SYNTH_CASES])
 def test_conformance_synth(case):
     doc = json.loads(case.read_text())
-    assert doc["kind"] == "synth" and conformance_synth(doc["input"]) == doc["expected"]
+    assert doc["kind"] == "synth" and kind_synth(doc["input"]) == doc["expected"]
 
 
 def test_interval_without_frames_is_an_error():

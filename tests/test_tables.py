@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 from rangeserver import RangeServer
 
-from refstream.conformance import first_difference, in_process, load_cases
 from refstream.errors import MalformedDataset, TableError, UsageError
 from refstream.fetch import HTTPSource, LocalSource, RetryPolicy
 from refstream.tables import (
@@ -22,6 +21,7 @@ from refstream.tables import (
     column_array,
     read_episode_rows,
 )
+from refstream.tools.conformance import first_difference, in_process, load_cases
 
 COLUMNS = ["observation.state", "action", "timestamp", "frame_index", "episode_index", "index"]
 

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refstream.errors import UsageError
-from refstream.windows import Windows, conformance_windows, make_windows, window_rows
+from refstream.tools.adapters import kind_windows
+from refstream.windows import Windows, make_windows, window_rows
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "windows"
 
@@ -221,7 +222,7 @@ def test_fixture_expectations_come_from_the_oracle_and_refstream_meets_them(path
     assert case["kind"] == "windows"
     assert case["expected"] == oracle_answer(case["input"])
     try:
-        answer = conformance_windows(json.loads(json.dumps(case["input"])))
+        answer = kind_windows(json.loads(json.dumps(case["input"])))
     except UsageError:
         answer = {"error": "UsageError"}
     assert json.loads(json.dumps(answer)) == case["expected"]

@@ -90,8 +90,6 @@ __all__ = [
     "unserved_requests",
     "MAX_LISTED_PROBLEMS",
     "CHECK_NAMES",
-    "conformance_doctor_tiling",
-    "conformance_doctor_requests",
 ]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
@@ -657,37 +655,3 @@ def _compare_sidecar(label: str, manifest: dict, arrays: dict[str, np.ndarray],
                         problems.add(f"{where}: {name}[{k}] is {stored[k]!r}, the file has "
                                      f"{actual[k]!r} ({len(bad)} samples differ)")
         start = stop
-
-
-# --- conformance -----------------------------------------------------------------------------
-
-
-def conformance_doctor_tiling(case: dict) -> dict:
-    """Conformance kind ``doctor_tiling``: :func:`episode_tiling`.
-
-    Input ``{"episode_index": [...], "from_index": [...], "to_index": [...], "total_frames": n}``;
-    answer ``{"gaps": [[start, end, before | null, after | null]], "overlaps": [[episode, other,
-    start, end]], "covered_to": n, "tiled": bool}``.
-    """
-    tiling = episode_tiling(*(np.asarray(case[k], np.int64)
-                              for k in ("episode_index", "from_index", "to_index")),
-                            int(case["total_frames"]))
-    return {
-        "gaps": [list(gap) for gap in tiling.gaps],
-        "overlaps": [list(overlap) for overlap in tiling.overlaps],
-        "covered_to": tiling.covered_to,
-        "tiled": not tiling.gaps and not tiling.overlaps
-        and tiling.covered_to == case["total_frames"],
-    }
-
-
-def conformance_doctor_requests(case: dict) -> dict:
-    """Conformance kind ``doctor_requests``: :func:`unserved_requests`.
-
-    Input ``{"pts": [ticks…], "timescale": n, "times_s": [...], "tolerance_s": x}``; answer
-    ``{"unserved": [positions in times_s]}``.
-    """
-    unserved = unserved_requests(np.asarray(case["pts"], np.int64), int(case["timescale"]),
-                                 np.asarray(case["times_s"], np.float64),
-                                 float(case["tolerance_s"]))
-    return {"unserved": unserved.tolist()}

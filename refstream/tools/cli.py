@@ -59,7 +59,7 @@ def add_conformance(subparsers) -> None:
 def run_conformance(args) -> int:
     from pathlib import Path
 
-    from refstream import conformance
+    from refstream.tools import conformance
 
     root = Path(args.fixtures) if args.fixtures else conformance.FIXTURES_DIR
     cases = conformance.load_cases(root, args.kind)
@@ -90,7 +90,7 @@ def add_demo(subparsers) -> None:
 
 
 def run_demo(args) -> int:
-    from refstream.demo import run_demo as demo
+    from refstream.tools.demo import run_demo as demo
 
     print("refstream demo: writing the dataset, serving it on 127.0.0.1, streaming one epoch")
     report = demo(args.workdir, num_workers=args.num_workers, batch_size=args.batch_size,
@@ -121,8 +121,8 @@ def add_stream(subparsers) -> None:
 
 def run_stream(args) -> int:
 
-    from refstream.demo import consume
     from refstream.stream import StreamingDataset
+    from refstream.tools.demo import consume
 
     episodes = _episode_ids(args.episodes)
     try:
@@ -314,8 +314,8 @@ def add_doctor(subparsers) -> None:
 
 def run_doctor(args) -> int:
 
-    from refstream.doctor import check_dataset
     from refstream.fetch import open_source
+    from refstream.tools.doctor import check_dataset
 
     source = open_source(args.root)
     try:
@@ -348,8 +348,8 @@ def add_bench(subparsers) -> None:
 
 def run_bench(args) -> int:
 
-    from refstream.bench import BenchConfig, plot
-    from refstream.bench import run_bench as bench
+    from refstream.tools.bench import BenchConfig, plot
+    from refstream.tools.bench import run_bench as bench
 
     overrides = {name: getattr(args, name) for name in (
         "root", "episodes", "frames_per_episode", "cameras", "gop", "bframes", "pool_size",

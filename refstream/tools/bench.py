@@ -20,10 +20,11 @@ What one run does, all with the same DataLoader settings (workers, batch size,
    epoch per repeat, and ``refstream-http-uint8`` the same with ``return_uint8=True`` (frames as
    ``uint8``, a quarter of the bytes to convert and collate; not LeRobot's ``float32`` items, so
    not compared in the targets); ``map-style`` is
-   :class:`refstream.baselines.MapStyleVideoDataset`, the way LeRobot's map-style dataset with the
-   ``pyav`` backend reads (rows from Parquet loaded up front; per sample and camera: open the
-   source MP4, seek to the keyframe before the window, decode forward, convert every decoded frame
-   to RGB, keep the nearest) with shuffled indices, ``baseline_batches`` batches per repeat;
+   :class:`refstream.tools.baselines.MapStyleVideoDataset`, the way LeRobot's map-style dataset
+   with the ``pyav`` backend reads (rows from Parquet loaded up front; per sample and camera:
+   open the source MP4, seek to the keyframe before the window, decode forward, convert every
+   decoded frame to RGB, keep the nearest) with shuffled indices, ``baseline_batches`` batches
+   per repeat;
    ``download-then-read`` copies every file of the dataset over loopback HTTP into a temporary
    folder and then reads it like ``map-style`` (its time to first sample includes the download);
    ``decode-ceiling`` decodes the same episodes sequentially with PyAV and converts them to RGB the
@@ -51,7 +52,8 @@ What one run does, all with the same DataLoader settings (workers, batch size,
 
 Measurements share the machine with whatever else runs; repeats and medians damp that, they do
 not remove it. Unlike the I/O-free core, this module imports torch (it drives DataLoaders) and,
-through ``refstream.baselines``, PyAV; ``refstream.cli`` imports it only for ``refstream bench``.
+through ``refstream.tools.baselines``, PyAV; ``refstream.tools.cli`` imports it only for
+``refstream bench``.
 """
 
 from __future__ import annotations
@@ -76,14 +78,7 @@ import pyarrow.parquet as pq
 import requests
 import torch
 
-from refstream import demo, shard, synth
-from refstream.baselines import (
-    TOLERANCE_S,
-    Ceiling,
-    MapStyleVideoDataset,
-    cpu_seconds,
-    decode_ceiling,
-)
+from refstream import shard, synth
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, load_meta
@@ -91,6 +86,14 @@ from refstream.mp4 import parse_index
 from refstream.planner import Planner
 from refstream.sidecar import CACHE_ENV, map_index
 from refstream.stream import GIB, StreamingDataset
+from refstream.tools import demo
+from refstream.tools.baselines import (
+    TOLERANCE_S,
+    Ceiling,
+    MapStyleVideoDataset,
+    cpu_seconds,
+    decode_ceiling,
+)
 
 __all__ = ["BenchConfig", "BenchReport", "run_bench", "TARGET_TEXT"]
 

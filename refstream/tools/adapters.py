@@ -1,0 +1,501 @@
+"""refstream's answers to the conformance kinds (``spec/README.md``): one function per kind,
+each mapping a case's ``input`` to its answer, and :func:`answer`, which the runner calls.
+
+The kinds that read media (``mp4_index``, ``span``, ``synth``) open the file a case names,
+relative to the working directory (the protocol runs implementations inside the fixtures
+folder), else to the fixtures shipped with refstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from fractions import Fraction
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from requests.structures import CaseInsensitiveDict
+
+from refstream.budget import ByteBudget
+from refstream.decode import select_frames
+from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
+from refstream.fetch import (
+    SuffixUnsupported,
+    _Transient,
+    parse_hf_root,
+    plan_range_response,
+    plan_suffix_response,
+)
+from refstream.meta import check_relpath, load_meta, select_episodes
+from refstream.mp4 import parse_index_bytes
+from refstream.planner import (
+    Planner,
+    ResumeSetup,
+    ResumeState,
+    batches_per_worker,
+    epoch_batches,
+    resume_positions,
+)
+from refstream.rng import below, derive_key, permutation, u64
+from refstream.shard import rank_share, split_limits, worker_shares
+from refstream.sidecar import _storage
+from refstream.synth import Span, select_span, synthesize, synthesized_size
+from refstream.tables import candidate_row_groups
+from refstream.tools.doctor import episode_tiling, unserved_requests
+from refstream.windows import make_windows, window_rows
+
+# The fixtures shipped with refstream: <repo>/spec/fixtures.
+FIXTURES_DIR = Path(__file__).resolve().parents[2] / "spec" / "fixtures"
+
+
+def answer(kind: str, case_input: dict) -> dict:
+    """refstream's own answer to one case; refstream errors become ``{"error": name}``."""
+    adapter = ADAPTERS.get(kind)
+    if adapter is None:
+        return {"error": f"unknown kind {kind!r}"}
+    try:
+        return adapter(case_input)
+    except RefstreamError as exc:
+        return {"error": type(exc).__name__}
+
+
+class MemorySource:
+    """A dataset held in memory as ``{relpath: bytes}`` (the ``meta`` kind's files)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = dict(files)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        if check_relpath(relpath) not in self.files:
+            raise MalformedDataset(f"{relpath}: missing from the dataset")
+        return self.files[relpath]
+
+
+def kind_rng(case: dict) -> dict:
+    """Conformance kind ``rng``: the key of ``seed`` + ``labels``, its words at ``indices``,
+    ``below(below_n, key, i)`` at the same indices and the permutation of ``permute``. 64-bit
+    words are written as ``"0x"`` + 16 lowercase hex digits."""
+    key = derive_key(case["seed"], *case["labels"])
+    indices = case["indices"]
+    return {
+        "key": f"0x{key:016x}",
+        "u64": [f"0x{u64(key, i):016x}" for i in indices],
+        "below": [below(case["below_n"], key, i) for i in indices],
+        "permutation": permutation(key, case["permute"]).tolist(),
+    }
+
+
+def kind_shard(case: dict) -> dict:
+    """Conformance kind ``shard``: every rank's share of ``episodes``/``frames`` over
+    ``world_size`` ranks and its split over ``num_workers`` workers, with frame totals."""
+    ids, frames = case["episodes"], case["frames"]
+    count = dict(zip(ids, frames, strict=True))
+    ranks = [rank_share(ids, frames, r, case["world_size"]) for r in range(case["world_size"])]
+    workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
+    return {
+        "ranks": ranks,
+        "rank_frames": [sum(count[e] for e in r) for r in ranks],
+        "workers": workers,
+        "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers],
+    }
+
+
+def kind_limits(case: dict) -> dict:
+    """Conformance kind ``limits``: :func:`split_limits` of the case's per-rank settings."""
+    limits = split_limits(
+        case["num_workers"],
+        pool_size=case["pool_size"],
+        byte_budget=case["byte_budget"],
+        decoder_cache=case["decoder_cache"],
+        cameras=case["cameras"],
+    )
+    return {
+        "pool_size": limits.pool_size,
+        "byte_budget": limits.byte_budget,
+        "decoder_cache": limits.decoder_cache,
+    }
+
+
+def kind_plan(case: dict) -> dict:
+    """Conformance kind ``plan``: one worker's anchors after skipping ``skip`` (default 0), the
+    ``frontier`` (k = ``frontier``, default 0) right after the skip, and every admission and
+    eviction of the epoch in order."""
+    planner = Planner(
+        case["episodes"],
+        case["frames"],
+        seed=case["seed"],
+        epoch=case["epoch"],
+        rank=case["rank"],
+        worker=case["worker"],
+        strategy=case["strategy"],
+        pool_size=case["pool_size"],
+        byte_sizes=case.get("byte_sizes"),
+        byte_budget=case.get("byte_budget"),
+    )
+    planner.skip(case.get("skip", 0))
+    frontier = planner.frontier(case.get("frontier", 0))
+    anchors = [list(anchor) for anchor in planner]
+    admitted, evicted = planner.drain_events()
+    return {"anchors": anchors, "frontier": frontier, "admitted": admitted, "evicted": evicted}
+
+
+def kind_batches_per_worker(case: dict) -> dict:
+    """Conformance kind ``batches_per_worker``: ``counts`` and ``next`` of the replay."""
+    counts, next_worker = batches_per_worker(case["batches"], case["limits"])
+    return {"counts": counts, "next": next_worker}
+
+
+def kind_resume(case: dict) -> dict:
+    """Conformance kind ``resume``: :func:`resume_positions` of the case."""
+    positions = resume_positions(
+        case["worker_frames"],
+        case["batch_size"],
+        epoch=case["epoch"],
+        samples=case["samples"],
+        repeat=case["repeat"],
+        rank_batches=case.get("rank_batches"),
+    )
+    return {
+        "epochs": list(positions.epochs),
+        "offsets": list(positions.offsets),
+        "stops": list(positions.stops),
+        "rotation": positions.rotation,
+    }
+
+
+def kind_epoch_batches(case: dict) -> dict:
+    """Conformance kind ``epoch_batches``: the batches every rank yields in a finite epoch."""
+    return {"batches": epoch_batches(case["world_worker_frames"], case["batch_size"])}
+
+
+def kind_resume_state(case: dict) -> dict:
+    """Conformance kind ``resume_state``: parse ``saved`` and check it against ``current`` (a
+    setup); the answer is the position it resumes from."""
+    state = ResumeState.from_dict(case["saved"])
+    state.require_setup(ResumeSetup(**case["current"]))
+    return {"epoch": state.epoch, "samples": state.samples}
+
+
+# Arrow types a conformance case may give a Parquet column.
+CASE_COLUMN_TYPES = {
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+    "list<string>": pa.list_(pa.string()),
+    "list<float64>": pa.list_(pa.float64()),
+}
+
+
+def kind_meta(case: dict) -> dict:
+    """Conformance adapter of kind ``meta``.
+
+    Input ``{"files": {relpath: file}, "select": [int] | null (optional)}`` where a file is
+    ``{"json": value}``, ``{"text": str}`` or
+    ``{"parquet": {column: {"type": T, "values": [...]}}}`` with T one of
+    :data:`CASE_COLUMN_TYPES` (written as one Parquet file with one row group). The answer lists
+    the loaded metadata per episode (see ``spec/SPEC.md`` §4) and, when ``select`` is
+    present, ``selection``.
+    """
+    meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))
+    ids = [int(e) for e in meta.episode_index]
+    answer = {
+        "fps": meta.fps,
+        "camera_keys": meta.camera_keys,
+        "parquet_keys": meta.parquet_keys,
+        "total_episodes": meta.total_episodes,
+        "total_frames": meta.total_frames,
+        "episode_index": ids,
+        "from_index": meta.from_index.tolist(),
+        "to_index": meta.to_index.tolist(),
+        "frames": [meta.frames(e) for e in ids],
+        "data_relpath": [meta.data_relpath(e) for e in ids],
+        "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
+        "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
+        "video_to_s": {k: meta.video_to_s[k].tolist() for k in meta.camera_keys},
+        "tasks": meta.tasks,
+    }
+    if "select" in case:
+        answer["selection"] = select_episodes(meta, case["select"])
+    return answer
+
+
+def _case_file(description: dict) -> bytes:
+    if "json" in description:
+        return json.dumps(description["json"]).encode()
+    if "text" in description:
+        return description["text"].encode()
+    table = pa.table(
+        {
+            name: pa.array(column["values"], CASE_COLUMN_TYPES[column["type"]])
+            for name, column in description["parquet"].items()
+        }
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def kind_windows(case: dict) -> dict:
+    """Conformance adapter of kind ``windows``.
+
+    Input ``{delta_timestamps, fps, tolerance_s, length, frames, feature_keys?}``; answer
+    ``{offsets: {key: [int]}, rows: {key: [[int] per frame]}, is_pad: {key: [[bool] per frame]}}``.
+    """
+    windows = make_windows(
+        case["delta_timestamps"],
+        case["fps"],
+        case["tolerance_s"],
+        feature_keys=case.get("feature_keys"),
+    )
+    rows: dict[str, list] = {key: [] for key in windows.offsets}
+    is_pad: dict[str, list] = {key: [] for key in windows.offsets}
+    for frame in case["frames"]:
+        for key, offsets in windows.offsets.items():
+            key_rows, key_pad = window_rows(offsets, frame, case["length"])
+            rows[key].append(key_rows.tolist())
+            is_pad[key].append(key_pad.tolist())
+    return {
+        "offsets": {key: offsets.tolist() for key, offsets in windows.offsets.items()},
+        "rows": rows,
+        "is_pad": is_pad,
+    }
+
+
+def kind_range_response(case: dict) -> dict:
+    """Conformance kind ``range_response``: judge a response to ``Range: bytes=first-last``.
+
+    Input: ``first``, ``last``, ``status``, ``headers`` (name -> value), ``known_size`` (or
+    null), ``whole_body_cap_bytes``. Answer: ``{"body_bytes", "skip_bytes", "file_size"}`` when
+    the body is to be read, ``{"retry": true, "retry_after_s": x | null}`` when the attempt is
+    to be retried, else the error (``{"error": ClassName}`` via the runner).
+    """
+    headers = CaseInsensitiveDict(case["headers"])
+    try:
+        plan = plan_range_response(
+            case["first"], case["last"], case["status"], headers,
+            known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
+            where="case",
+        )
+    except _Transient as exc:
+        return {"retry": True, "retry_after_s": exc.retry_after_s}
+    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
+            "file_size": plan.file_size}
+
+
+def kind_suffix_response(case: dict) -> dict:
+    """Conformance kind ``suffix_response``: judge a response to ``Range: bytes=-length``.
+
+    Input: ``length``, ``status``, ``headers``, ``known_size`` (or null),
+    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``; or
+    ``{"fallback": true}`` when the size and a plain range are to be asked instead.
+    """
+    headers = CaseInsensitiveDict(case["headers"])
+    try:
+        plan = plan_suffix_response(
+            case["length"], case["status"], headers, known_size=case["known_size"],
+            whole_body_cap_bytes=case["whole_body_cap_bytes"], where="case",
+        )
+    except _Transient as exc:
+        return {"retry": True, "retry_after_s": exc.retry_after_s}
+    except SuffixUnsupported:
+        return {"fallback": True}
+    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
+            "file_size": plan.file_size, "answer_bytes": plan.answer_bytes}
+
+
+def kind_hf_url(case: dict) -> dict:
+    """Conformance kind ``hf_url``: the URLs an ``hf://`` root maps to.
+
+    Input: ``root``, ``endpoint``, ``relpath`` and ``commit`` (what the Hub's revision API
+    answers, used only when a branch or tag needs pinning). Answer: ``revision_api_url`` (null
+    when nothing is pinned), ``url`` of ``relpath`` and its ``identity`` (null for buckets).
+    """
+    hf = parse_hf_root(case["root"], case["endpoint"])
+    commit = case["commit"] if hf.revision_api_url is not None else hf.revision
+    return {
+        "revision_api_url": hf.revision_api_url,
+        "url": f"{hf.base_url(commit)}/{quote(check_relpath(case['relpath']), safe='/')}",
+        "identity": None if hf.kind == "buckets" else f"commit:{commit}",
+    }
+
+
+def kind_row_group_candidates(case: dict) -> dict:
+    """Conformance kind ``row_group_candidates``: :func:`candidate_row_groups` of
+    ``stats`` (a list of ``[min, max]`` or null per row group) for ``episode``."""
+    stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
+    return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
+
+
+def kind_budget_ops(case: dict) -> dict:
+    """Conformance kind ``budget_ops``: replay ``ops`` on a ``ByteBudget(budget_bytes)``.
+
+    Each op is ``[name, episode]`` or ``[name, episode, bytes]`` with name one of
+    ``try_reserve`` / ``acquire`` (bytes = size; ``acquire`` never waits here), ``release``,
+    ``claim_fetch``, ``mark_resident`` (bytes = payload), ``mark_fetched``, ``forget``,
+    ``close``. Per op the answer lists the call's result (true/false, null for calls without
+    one, or ``{"error": ClassName}``) and the episodes it evicted; then the final LRU order and
+    counters.
+    """
+    budget = ByteBudget(case["budget_bytes"])
+    calls = {
+        "try_reserve": lambda e, n: budget.try_reserve(e, n),
+        "acquire": lambda e, n: budget.acquire(e, n, timeout_s=0),
+        "release": lambda e, n: budget.release(e),
+        "claim_fetch": lambda e, n: budget.claim_fetch(e),
+        "mark_resident": lambda e, n: budget.mark_resident(e, n),
+        "mark_fetched": lambda e, n: budget.mark_fetched(e),
+        "forget": lambda e, n: budget.forget(e),
+        "close": lambda e, n: budget.close(),
+    }
+    results, evicted = [], []
+    for name, episode, *size in case["ops"]:
+        try:
+            results.append(calls[name](episode, size[0] if size else 0))
+        except (BudgetError, UsageError) as exc:
+            results.append({"error": type(exc).__name__})
+        evicted.append(budget.take_evicted())
+    snap = budget.snapshot()
+    return {
+        "results": results,
+        "evicted": evicted,
+        "lru": budget.lru_order(),
+        "reserved_bytes": snap.reserved_bytes,
+        "resident_bytes": snap.resident_bytes,
+        "leases": snap.leases,
+    }
+
+
+def kind_frame_select(case: dict) -> dict:
+    """Conformance kind ``frame_select``: the selection rule alone, no video.
+
+    Input ``{"pts": [ticks…], "time_base": [num, den], "times_s": [...], "tolerance_s": x}``
+    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``.
+    """
+    pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
+    time_base = Fraction(*case["time_base"])
+    chosen = select_frames(pts_ticks, time_base, np.array(case["times_s"], dtype=np.float64),
+                           case["tolerance_s"])
+    return {"pts": [int(pts_ticks[j]) for j in chosen]}
+
+
+def kind_sidecar_storage(case: dict) -> dict:
+    """Conformance kind ``sidecar_storage``: how the compact file stores one array.
+
+    Input ``{"values": [int…] | [bool…]}``; answer ``{"value": v}`` for a constant or empty
+    array (empty: ``0``, or ``false`` for flags), else ``{"dtype": "u1"|"i1"|"u2"|"i2"|"u4"|"i4"|
+    "i8"|"b1"}`` (little-endian).
+    """
+    raw = case["values"]
+    flags = bool(raw) and all(isinstance(v, bool) for v in raw) or case.get("flags", False)
+    block, _ = _storage(np.array(raw, dtype=bool if flags else np.int64))
+    return block if "value" in block else {"dtype": block["dtype"].lstrip("<|")}
+
+
+def media_path(relpath: str) -> Path:
+    here = Path(relpath)
+    return here if here.exists() else FIXTURES_DIR / relpath
+
+
+def _media_index(case_input: dict):
+    return parse_index_bytes(media_path(case_input["file"]).read_bytes(), case_input["file"])
+
+
+def kind_mp4_index(case_input: dict) -> dict:
+    """Kind ``mp4_index``: ``{file}`` → the index arrays in decode order."""
+    index = _media_index(case_input)
+    return {
+        "codec": index.codec, "width": index.width, "height": index.height,
+        "track_id": index.track_id, "timescale": index.timescale,
+        "pts": index.pts.tolist(), "dts": index.dts.tolist(),
+        "duration": index.duration.tolist(), "size": index.size.tolist(),
+        "offset": index.offset.tolist(), "keyframe": index.keyframe.tolist(),
+    }  # fmt: skip
+
+
+def kind_span(case_input: dict) -> dict:
+    """Kind ``span``: ``{file, from_s, to_s, tolerance_s[, request_times_s]}`` → the span."""
+    index = _media_index(case_input)
+    times = case_input.get("request_times_s")
+    request_times_s = None if times is None else np.asarray(times, float)
+    span = select_span(index, case_input["from_s"], case_input["to_s"],
+                       case_input["tolerance_s"], request_times_s)  # fmt: skip
+    return {"sample_lo": span.sample_lo, "sample_hi": span.sample_hi,
+            "byte_offset": span.byte_offset, "byte_length": span.byte_length,
+            "start_pts": span.start_pts}  # fmt: skip
+
+
+def kind_synth(case_input: dict) -> dict:
+    """Kind ``synth``: ``{file, sample_lo, sample_hi}`` → synthesized size and SHA-256."""
+    index = _media_index(case_input)
+    lo, hi = case_input["sample_lo"], case_input["sample_hi"]
+    begin = int(index.offset[lo : hi + 1].min())
+    end = int((index.offset[lo : hi + 1] + index.size[lo : hi + 1]).max())
+    span = Span(lo, hi, begin, end - begin, int(index.pts[lo]))
+    with open(media_path(case_input["file"]), "rb") as f:
+        f.seek(begin)
+        data = synthesize(index, span, f.read(end - begin))
+    return {"synthesized_size": synthesized_size(index, span), "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+
+
+
+
+def kind_doctor_tiling(case: dict) -> dict:
+    """Conformance kind ``doctor_tiling``: :func:`episode_tiling`.
+
+    Input ``{"episode_index": [...], "from_index": [...], "to_index": [...], "total_frames": n}``;
+    answer ``{"gaps": [[start, end, before | null, after | null]], "overlaps": [[episode, other,
+    start, end]], "covered_to": n, "tiled": bool}``.
+    """
+    tiling = episode_tiling(*(np.asarray(case[k], np.int64)
+                              for k in ("episode_index", "from_index", "to_index")),
+                            int(case["total_frames"]))
+    return {
+        "gaps": [list(gap) for gap in tiling.gaps],
+        "overlaps": [list(overlap) for overlap in tiling.overlaps],
+        "covered_to": tiling.covered_to,
+        "tiled": not tiling.gaps and not tiling.overlaps
+        and tiling.covered_to == case["total_frames"],
+    }
+
+
+def kind_doctor_requests(case: dict) -> dict:
+    """Conformance kind ``doctor_requests``: :func:`unserved_requests`.
+
+    Input ``{"pts": [ticks…], "timescale": n, "times_s": [...], "tolerance_s": x}``; answer
+    ``{"unserved": [positions in times_s]}``.
+    """
+    unserved = unserved_requests(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                 np.asarray(case["times_s"], np.float64),
+                                 float(case["tolerance_s"]))
+    return {"unserved": unserved.tolist()}
+
+
+ADAPTERS = {
+    "rng": kind_rng,
+    "shard": kind_shard,
+    "limits": kind_limits,
+    "plan": kind_plan,
+    "batches_per_worker": kind_batches_per_worker,
+    "resume": kind_resume,
+    "epoch_batches": kind_epoch_batches,
+    "resume_state": kind_resume_state,
+    "meta": kind_meta,
+    "windows": kind_windows,
+    "range_response": kind_range_response,
+    "suffix_response": kind_suffix_response,
+    "hf_url": kind_hf_url,
+    "row_group_candidates": kind_row_group_candidates,
+    "budget_ops": kind_budget_ops,
+    "frame_select": kind_frame_select,
+    "sidecar_storage": kind_sidecar_storage,
+    "mp4_index": kind_mp4_index,
+    "span": kind_span,
+    "synth": kind_synth,
+    "doctor_tiling": kind_doctor_tiling,
+    "doctor_requests": kind_doctor_requests,
+}
