@@ -72,8 +72,7 @@ __all__ = [
     "parse_index_bytes",
     "parse_moov",
     "walk_boxes",
-    "box_tree",
-    "describe",
+    "box_header",
 ]
 
 ReadRange = Callable[[int, int], bytes]
@@ -81,7 +80,7 @@ ReadRange = Callable[[int, int], bytes]
 # Size of each probe read: the first holds ftyp and the next box header (and a short clip's
 # whole moov); a probe can reach into the payload of an mdat behind its header by this much.
 PROBE_BYTES = 4096
-# Boxes whose payload is a sequence of child boxes (for walking and for `box_tree`).
+# Boxes whose payload is a sequence of child boxes.
 CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "udta"})
 # FFmpeg drops a whole ctts table holding an offset beyond this magnitude (mov_read_ctts).
 CTTS_LIMIT = 1 << 28
@@ -142,7 +141,7 @@ class EditList:
 # --- box walking ------------------------------------------------------------------------------
 
 
-def _header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple[str, int, int]:
+def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple[str, int, int]:
     """(type, header size, declared size or 0) of the box whose header starts at ``data[pos]``."""
     where = base + pos
     if limit - pos < 8:
@@ -173,7 +172,7 @@ def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[
     boxes = []
     pos = start
     while pos < end:
-        kind, header, size = _header(data, pos, end, base, path)
+        kind, header, size = box_header(data, pos, end, base, path)
         if size == 0:
             size = end - pos
         if size < header or pos + size > end:
@@ -202,7 +201,7 @@ def locate_moov(read_range: ReadRange, file_size: int, path: str) -> tuple[Box, 
         if not (buf_at <= pos and pos + min(16, file_size - pos) <= buf_at + len(buf)):
             buf, buf_at = _read(read_range, pos, min(PROBE_BYTES, file_size - pos), path), pos
         at = pos - buf_at
-        kind, header, size = _header(buf, at, len(buf), buf_at, path)
+        kind, header, size = box_header(buf, at, len(buf), buf_at, path)
         size = size or file_size - pos  # size 0: the last box, to the end of the file
         if pos + size > file_size:
             raise MalformedMp4(
@@ -220,33 +219,6 @@ def locate_moov(read_range: ReadRange, file_size: int, path: str) -> tuple[Box, 
             ftyp = held
         pos += size
     raise MalformedMp4(f"{path}: no 'moov' box in {file_size} bytes")
-
-
-def box_tree(read_range: ReadRange, file_size: int, path: str) -> list[tuple[int, Box]]:
-    """(depth, box) for every top-level box and every box inside ``moov``, in file order."""
-    moov, moov_bytes, _ = locate_moov(read_range, file_size, path)
-    out: list[tuple[int, Box]] = []
-    pos = 0
-    while pos < file_size:
-        head = _read(read_range, pos, min(32, file_size - pos), path)
-        kind, header, size = _header(head, 0, len(head), pos, path)
-        box = Box(kind, pos, header, size or file_size - pos)
-        out.append((0, box))
-        if kind == "moov":
-            out.extend(_subtree(moov_bytes, moov, path, 1))
-        pos = box.end
-    return out
-
-
-def _subtree(data: bytes, parent: Box, path: str, depth: int) -> list[tuple[int, Box]]:
-    out = []
-    start = parent.payload_offset - parent.offset + (8 if parent.type == "stsd" else 0)
-    for box in walk_boxes(data, start, parent.size, parent.offset, path):
-        out.append((depth, box))
-        if box.type in CONTAINERS or box.type == "stsd":
-            sub = data[box.offset - parent.offset : box.end - parent.offset]
-            out.extend(_subtree(sub, box, path, depth + 1))
-    return out
 
 
 # --- reading boxes inside moov ----------------------------------------------------------------
@@ -578,35 +550,3 @@ def edit_list(moov_bytes: bytes, moov: Box, path: str) -> EditList | None:
     return _edit_list(m, _video_track(m))
 
 
-def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
-    """A JSON-ready report of one file: box tree, video track, edit list, GOPs, sample table.
-
-    The sample table holds every sample in decode order (ticks of ``timescale``); each GOP is
-    a keyframe and the samples up to the next one.
-    """
-    tree = box_tree(read_range, file_size, path)
-    moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
-    index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
-    edits = edit_list(moov_bytes, moov, path)
-    keys = np.flatnonzero(index.keyframe)
-    ends = np.append(keys[1:], len(index))
-    return {
-        "path": path,
-        "file_size": file_size,
-        "boxes": [{"depth": d, "type": b.type, "offset": b.offset, "size": b.size}
-                  for d, b in tree],
-        "track": {"track_id": index.track_id, "codec": index.codec, "width": index.width,
-                  "height": index.height, "timescale": index.timescale,
-                  "movie_timescale": index.movie_timescale, "samples": len(index),
-                  "payload_bytes": int(index.size.sum())},
-        "edit_list": None if edits is None else {
-            "empty_duration": edits.empty_duration, "media_duration": edits.media_duration,
-            "media_time": edits.media_time},
-        "gops": [{"keyframe": int(k), "samples": int(e - k),
-                  "first_pts": int(index.pts[k:e].min()), "keyframe_pts": int(index.pts[k])}
-                 for k, e in zip(keys, ends, strict=False)],
-        "samples": {"timescale": index.timescale, "pts": index.pts.tolist(),
-                    "dts": index.dts.tolist(), "duration": index.duration.tolist(),
-                    "size": index.size.tolist(), "offset": index.offset.tolist(),
-                    "keyframe": index.keyframe.tolist()},
-    }

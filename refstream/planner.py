@@ -32,9 +32,6 @@ consumed by the rank, and the :class:`ResumeSetup` that must not change);
 :func:`batches_per_worker` replays the DataLoader's in-order round-robin batch assignment;
 :func:`resume_positions` turns a rank's offset into every worker's ``(epoch, offset, stop)`` and
 the rotation of logical workers; :func:`epoch_batches` is the distributed end-of-epoch rule.
-:func:`plan_summary` is what ``refstream plan`` prints. The ``conformance_*`` functions answer
-the spec's ``plan``, ``batches_per_worker``, ``resume``, ``epoch_batches`` and ``resume_state``
-cases.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ from itertools import islice
 
 import numpy as np
 
-from refstream import shard
 from refstream.errors import EpisodeTooLarge, ResumeError, TopologyChanged, UsageError
 from refstream.rng import derive_key, extend_key, permutation, permutation_list, u64_array
 
@@ -62,7 +58,6 @@ __all__ = [
     "batches_per_worker",
     "epoch_batches",
     "resume_positions",
-    "plan_summary",
 ]
 
 # The seed used when none is given (LeRobot's DEFAULT_STREAMING_SEED).
@@ -444,55 +439,3 @@ def resume_positions(
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, worker_frames, strict=True)),
         rotation=rotation,
     )
-
-
-# --- a printable plan (``refstream plan``) ----------------------------------------------------
-
-
-def plan_summary(
-    episodes: Sequence[int],
-    frames: Sequence[int],
-    *,
-    world_size: int,
-    rank: int,
-    num_workers: int,
-    seed: int | None,
-    epoch: int,
-    strategy: str,
-    pool_size: int | None,
-    limit: int,
-) -> dict:
-    """The shard balance of every rank, this rank's worker shares and each worker's first
-    ``limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
-    count = dict(zip(episodes, frames, strict=True))
-    ranks = shard.lpt_partition(episodes, frames, world_size)
-    share = shard.rank_share(episodes, frames, rank, world_size)
-    parts = shard.worker_shares(share, [count[e] for e in share], num_workers)
-    limits = shard.split_limits(
-        num_workers, pool_size=pool_size, byte_budget=None, decoder_cache=None, cameras=0
-    )
-    seed = DEFAULT_SEED if seed is None else seed
-    workers = []
-    for worker, part in enumerate(parts):
-        planner = Planner(part, [count[e] for e in part], seed=seed, epoch=epoch, rank=rank,
-                          worker=worker, strategy=strategy, pool_size=limits.pool_size)
-        take = planner.remaining if limit == 0 else min(limit, planner.remaining)
-        anchors = [list(next(planner)) for _ in range(take)]
-        frame_total = sum(count[e] for e in part)
-        workers.append({"worker": worker, "episodes": part, "frames": frame_total,
-                        "anchors": anchors})
-    return {
-        "episodes": len(episodes),
-        "frames": sum(frames),
-        "world_size": world_size,
-        "rank": rank,
-        "num_workers": num_workers,
-        "seed": seed,
-        "epoch": epoch,
-        "strategy": strategy,
-        "pool_size": limits.pool_size,
-        "longest_episode": max(frames, default=0),
-        "rank_frames": [sum(count[e] for e in part) for part in ranks],
-        "worker_frames": [w["frames"] for w in workers],
-        "workers": workers,
-    }

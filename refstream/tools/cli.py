@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 
+from refstream import planner, shard
 from refstream.errors import RefstreamError, UsageError
 
 # Sub-commands register here as (add_parser_function) in the order the help lists them.
@@ -175,14 +177,13 @@ def run_plan(args) -> int:
 
     from refstream.fetch import LocalSource
     from refstream.meta import load_meta, select_episodes
-    from refstream.planner import plan_summary
 
     chosen = _episode_ids(args.episodes)
     if args.limit < 0:
         raise UsageError(f"--limit must be 0 (all) or positive, got {args.limit}")
     meta = load_meta(LocalSource(args.root))
     ids = select_episodes(meta, chosen)
-    summary = plan_summary(
+    summary = _plan_summary(
         ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
         num_workers=args.num_workers, seed=args.seed, epoch=args.epoch, strategy=args.strategy,
         pool_size=args.pool_size, limit=args.limit)
@@ -202,6 +203,55 @@ def run_plan(args) -> int:
         print(f"worker {w['worker']} ({len(w['episodes'])} episodes, {w['frames']} frames), "
               f"first {len(w['anchors'])} anchors (episode:frame): {shown}")
     return 0
+
+
+def _plan_summary(
+    episodes: Sequence[int],
+    frames: Sequence[int],
+    *,
+    world_size: int,
+    rank: int,
+    num_workers: int,
+    seed: int | None,
+    epoch: int,
+    strategy: str,
+    pool_size: int | None,
+    limit: int,
+) -> dict:
+    """The shard balance of every rank, this rank's worker shares and each worker's first
+    ``limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
+    count = dict(zip(episodes, frames, strict=True))
+    ranks = shard.lpt_partition(episodes, frames, world_size)
+    share = shard.rank_share(episodes, frames, rank, world_size)
+    parts = shard.worker_shares(share, [count[e] for e in share], num_workers)
+    limits = shard.split_limits(
+        num_workers, pool_size=pool_size, byte_budget=None, decoder_cache=None, cameras=0
+    )
+    seed = planner.DEFAULT_SEED if seed is None else seed
+    workers = []
+    for worker, part in enumerate(parts):
+        plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=epoch, rank=rank,
+                          worker=worker, strategy=strategy, pool_size=limits.pool_size)
+        take = plan.remaining if limit == 0 else min(limit, plan.remaining)
+        anchors = [list(next(plan)) for _ in range(take)]
+        frame_total = sum(count[e] for e in part)
+        workers.append({"worker": worker, "episodes": part, "frames": frame_total,
+                        "anchors": anchors})
+    return {
+        "episodes": len(episodes),
+        "frames": sum(frames),
+        "world_size": world_size,
+        "rank": rank,
+        "num_workers": num_workers,
+        "seed": seed,
+        "epoch": epoch,
+        "strategy": strategy,
+        "pool_size": limits.pool_size,
+        "longest_episode": max(frames, default=0),
+        "rank_frames": [sum(count[e] for e in part) for part in ranks],
+        "worker_frames": [w["frames"] for w in workers],
+        "workers": workers,
+    }
 
 
 COMMANDS.append(add_plan)
@@ -261,7 +311,7 @@ def add_inspect(subparsers) -> None:
 def run_inspect(args) -> int:
     import os
 
-    from refstream.mp4 import describe
+    from refstream.tools.inspect import describe
 
     try:
         with open(args.file, "rb") as f:

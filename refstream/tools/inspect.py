@@ -1,0 +1,78 @@
+"""``refstream inspect FILE``: one MP4's box tree, video track, edit list, GOPs and sample
+table, as the index (``refstream.mp4``) sees them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refstream.mp4 import (
+    CONTAINERS,
+    Box,
+    ReadRange,
+    box_header,
+    edit_list,
+    locate_moov,
+    parse_moov,
+    walk_boxes,
+)
+
+
+def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
+             moov_bytes: bytes) -> list[tuple[int, Box]]:
+    """(depth, box) for every top-level box and every box inside ``moov``, in file order."""
+    out: list[tuple[int, Box]] = []
+    pos = 0
+    while pos < file_size:
+        head = read_range(pos, min(32, file_size - pos))
+        kind, header, size = box_header(head, 0, len(head), pos, path)
+        box = Box(kind, pos, header, size or file_size - pos)
+        out.append((0, box))
+        if kind == "moov":
+            out.extend(_subtree(moov_bytes, moov, path, 1))
+        pos = box.end
+    return out
+
+
+def _subtree(data: bytes, parent: Box, path: str, depth: int) -> list[tuple[int, Box]]:
+    out = []
+    start = parent.payload_offset - parent.offset + (8 if parent.type == "stsd" else 0)
+    for box in walk_boxes(data, start, parent.size, parent.offset, path):
+        out.append((depth, box))
+        if box.type in CONTAINERS or box.type == "stsd":
+            sub = data[box.offset - parent.offset : box.end - parent.offset]
+            out.extend(_subtree(sub, box, path, depth + 1))
+    return out
+
+
+def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
+    """A JSON-ready report of one file: box tree, video track, edit list, GOPs, sample table.
+
+    The sample table holds every sample in decode order (ticks of ``timescale``); each GOP is
+    a keyframe and the samples up to the next one.
+    """
+    moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
+    tree = box_tree(read_range, file_size, path, moov, moov_bytes)
+    index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
+    edits = edit_list(moov_bytes, moov, path)
+    keys = np.flatnonzero(index.keyframe)
+    ends = np.append(keys[1:], len(index))
+    return {
+        "path": path,
+        "file_size": file_size,
+        "boxes": [{"depth": d, "type": b.type, "offset": b.offset, "size": b.size}
+                  for d, b in tree],
+        "track": {"track_id": index.track_id, "codec": index.codec, "width": index.width,
+                  "height": index.height, "timescale": index.timescale,
+                  "movie_timescale": index.movie_timescale, "samples": len(index),
+                  "payload_bytes": int(index.size.sum())},
+        "edit_list": None if edits is None else {
+            "empty_duration": edits.empty_duration, "media_duration": edits.media_duration,
+            "media_time": edits.media_time},
+        "gops": [{"keyframe": int(k), "samples": int(e - k),
+                  "first_pts": int(index.pts[k:e].min()), "keyframe_pts": int(index.pts[k])}
+                 for k, e in zip(keys, ends, strict=False)],
+        "samples": {"timescale": index.timescale, "pts": index.pts.tolist(),
+                    "dts": index.dts.tolist(), "duration": index.duration.tolist(),
+                    "size": index.size.tolist(), "offset": index.offset.tolist(),
+                    "keyframe": index.keyframe.tolist()},
+    }

@@ -1,0 +1,109 @@
+"""The import graph follows the architecture: every arrow points down.
+
+Layers, lowest first: ``errors``; the I/O-free core; the edges that do I/O; ``stream``; the
+tools (``refstream.tools``). A module may import its own layer and the layers below it, never
+one above: the core imports nothing from the edges, and the library never imports the tools.
+Every module of the package must be placed in a layer, so a new module is a decision, not an
+accident. Imports inside functions count as much as those at the top.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "refstream"
+
+LAYERS = {
+    "errors": 0,
+    # the I/O-free core
+    "rng": 1, "meta": 1, "shard": 1, "planner": 1, "resume": 1, "windows": 1, "mp4": 1,
+    "synth": 1, "budget": 1,
+    # the edges
+    "fetch": 2, "source": 2, "http": 2, "hub": 2, "tables": 2, "sidecar": 2, "decode": 2,
+    # the dataset, and the package's lazy door to it
+    "stream": 3, "__init__": 3, "__main__": 4,
+    # the tools
+    "tools": 4,
+}  # fmt: skip
+LAYER_NAMES = ["errors", "core", "edge", "stream", "tools"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``refstream.<name>[.…]``; None for a module outside refstream."""
+    parts = module.split(".")
+    if parts[0] != "refstream":
+        return None
+    if len(parts) == 1:
+        return LAYERS["__init__"]
+    return LAYERS.get(parts[1], -1)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every refstream module ``path`` imports (``from refstream import x`` counts as
+    ``refstream.x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "refstream":
+                found.update(f"refstream.{alias.name}" for alias in node.names)
+            else:
+                found.add(node.module)
+    return {name for name in found if name.split(".")[0] == "refstream"}
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points to a higher layer, or from/to a module in no layer."""
+    problems = []
+    for module, targets in sorted(graph.items()):
+        here = layer_of(module)
+        if here == -1:
+            problems.append(f"{module} is in no layer: place it in LAYERS")
+            continue
+        for target in sorted(targets):
+            there = layer_of(target)
+            if there == -1:
+                problems.append(f"{module} imports {target}, which is in no layer")
+            elif there > here:
+                problems.append(f"{module} ({LAYER_NAMES[here]}) imports {target} "
+                                f"({LAYER_NAMES[there]})")
+    return problems
+
+
+def package_graph() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
+
+
+def test_every_import_points_down():
+    assert upward_arrows(package_graph()) == []
+
+
+@pytest.mark.parametrize("module, target", [
+    ("refstream.mp4", "refstream.stream"),  # core -> stream
+    ("refstream.planner", "refstream.sidecar"),  # core -> edge
+    ("refstream.stream", "refstream.tools.demo"),  # library -> tools
+    ("refstream.errors", "refstream.rng"),  # errors -> core
+])
+def test_an_upward_arrow_is_caught(module, target):
+    graph = package_graph()
+    graph[module] = graph[module] | {target}
+    assert len(upward_arrows(graph)) == 1
+
+
+def test_a_module_in_no_layer_is_caught():
+    graph = package_graph()
+    graph["refstream.newthing"] = set()
+    assert upward_arrows(graph) == ["refstream.newthing is in no layer: place it in LAYERS"]
+
+
+def test_the_walker_sees_imports_inside_functions(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from refstream import stream\n    import refstream.tools.cli\n")
+    assert imports_of(path) == {"refstream.stream", "refstream.tools.cli"}
