@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "refstream"
 LAYERS = {
     "errors": 0,
     # the I/O-free core
-    "rng": 1, "meta": 1, "shard": 1, "planner": 1, "resume": 1, "windows": 1, "mp4": 1,
+    "rng": 1, "meta": 1, "stats": 1, "shard": 1, "planner": 1, "resume": 1, "windows": 1, "mp4": 1,
     "synth": 1, "budget": 1,
     # the edges
     "fetch": 2, "source": 2, "http": 2, "hub": 2, "tables": 2, "sidecar": 2, "decode": 2,

@@ -1,0 +1,120 @@
+"""Normalisation statistics, the numbers a LeRobot policy is built from (SPEC §4.7).
+
+Use::
+
+    stats = parse_stats(source.read_bytes(STATS_PATH))    # meta/stats.json, as LeRobot loads it
+    stats["action"]["mean"]                                # a float64 array; "count" is int64
+    per_episode = episode_stats(episodes_table)            # the stats/<feature>/<stat> columns
+    subset = aggregate_stats([per_episode[i] for i in rows])
+
+A statistics dict maps each feature to ``{stat: numpy array}`` with the stats of SPEC §4.7
+(``min``, ``max``, ``mean``, ``std``, ``count`` and the quantiles ``q01`` … ``q99``); shapes are
+those of the JSON lists (an image's are ``(C, 1, 1)``). :func:`aggregate_stats` combines
+statistics of disjoint parts, e.g. the episodes of a selection, the way LeRobot combined them
+when it wrote ``meta/stats.json``: counts add, min and max fold, the mean is count-weighted, the
+variance pooled, and each quantile is the count-weighted mean of the parts' quantiles.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from refstream.errors import MalformedDataset, UsageError
+
+__all__ = ["STATS_PATH", "Stats", "aggregate_stats", "episode_stats", "parse_stats"]
+
+STATS_PATH = "meta/stats.json"
+# A feature's statistics: stat name -> array (float64; "count" int64).
+Stats = dict[str, dict[str, np.ndarray]]
+# The statistics that are not quantiles; every other stat must be a quantile "qNN".
+_MOMENTS = ("min", "max", "mean", "std", "count")
+
+
+def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
+    """``meta/stats.json`` as arrays (SPEC §4.7); :class:`MalformedDataset` names the feature and
+    stat that is not a rectangular array of numbers."""
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedDataset(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(document, dict):
+        raise MalformedDataset(f"{where}: expected an object of features")
+    stats: Stats = {}
+    for feature, values in document.items():
+        if not isinstance(values, dict):
+            raise MalformedDataset(f"{where}: feature {feature!r} is not an object of stats")
+        stats[feature] = {name: _stat_array(value, f"{where}: {feature}/{name}", name)
+                          for name, value in values.items()}
+    return stats
+
+
+def episode_stats(table: pa.Table, where: str = "meta/episodes") -> list[Stats]:
+    """Each row's statistics from its ``stats/<feature>/<stat>`` columns (SPEC §4.7), in row
+    order; a table without such columns gives empty dicts."""
+    columns = [name for name in table.column_names if name.startswith("stats/")]
+    rows: list[Stats] = [{} for _ in range(table.num_rows)]
+    for name in columns:
+        feature, _, stat = name.removeprefix("stats/").rpartition("/")
+        if not feature:
+            raise MalformedDataset(f"{where}: column {name!r} is not stats/<feature>/<stat>")
+        for row, value in zip(rows, table.column(name).to_pylist(), strict=True):
+            if value is not None:
+                row.setdefault(feature, {})[stat] = _stat_array(value, f"{where}: {name}", stat)
+    return rows
+
+
+def aggregate_stats(parts: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> Stats:
+    """The statistics of the union of disjoint ``parts`` (module docstring); a feature missing
+    from a part is combined over the parts that have it."""
+    if not parts:
+        raise UsageError("aggregate_stats needs at least one part")
+    features = dict.fromkeys(feature for part in parts for feature in part)
+    return {feature: _aggregate_feature([part[feature] for part in parts if feature in part],
+                                        feature)
+            for feature in features}
+
+
+def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> dict:
+    missing = [name for name in ("min", "max", "mean", "std", "count")
+               if any(name not in part for part in parts)]
+    if missing:
+        raise UsageError(f"stats of {feature!r}: a part lacks {missing}")
+    counts = np.stack([np.asarray(part["count"], np.int64) for part in parts])
+    total = counts.sum(axis=0)
+    means = np.stack([part["mean"] for part in parts])
+    weights = counts.reshape(counts.shape + (1,) * (means.ndim - counts.ndim))
+    mean = (means * weights).sum(axis=0) / total
+    variance = ((np.stack([part["std"] for part in parts]) ** 2 + (means - mean) ** 2)
+                * weights).sum(axis=0) / total
+    combined = {
+        "min": np.min(np.stack([part["min"] for part in parts]), axis=0),
+        "max": np.max(np.stack([part["max"] for part in parts]), axis=0),
+        "mean": mean,
+        "std": np.sqrt(variance),
+        "count": total,
+    }
+    quantiles = [name for name in parts[0] if name not in _MOMENTS]
+    for name in quantiles:
+        if any(name not in part for part in parts):
+            raise UsageError(f"stats of {feature!r}: quantile {name!r} is missing from a part")
+        combined[name] = (np.stack([part[name] for part in parts]) * weights).sum(axis=0) / total
+    return combined
+
+
+def _stat_array(value: object, where: str, name: str) -> np.ndarray:
+    """One stat as LeRobot casts it: ``count`` int64, every other stat float64."""
+    if name not in _MOMENTS and not (len(name) == 3 and name[0] == "q" and name[1:].isdigit()):
+        raise MalformedDataset(f"{where}: unknown stat {name!r} (expected {_MOMENTS} or qNN)")
+    try:
+        array = np.array(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise MalformedDataset(f"{where}: not a rectangular array of numbers") from exc
+    if name != "count":
+        return array
+    if not np.array_equal(array, np.round(array)) or (array < 0).any():
+        raise MalformedDataset(f"{where}: a count must hold non-negative integers")
+    return array.astype(np.int64)

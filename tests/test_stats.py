@@ -1,0 +1,102 @@
+"""Normalisation statistics against LeRobot's own files: ``meta/stats.json`` as LeRobot 0.6.1
+loads it, and the per-episode statistics LeRobot wrote into ``meta/episodes``, which combined
+over every episode must give back the ``stats.json`` LeRobot made from them; a subset's combined
+mean, std, min, max and count must equal the same numbers computed straight from its rows."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from refstream.errors import MalformedDataset, UsageError
+from refstream.stats import aggregate_stats, episode_stats, parse_stats
+
+ROOT = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "lerobot" / "lr_av1"
+QUANTILES = ("q01", "q10", "q50", "q90", "q99")
+
+
+def lerobot_stats():
+    return parse_stats((ROOT / "meta" / "stats.json").read_bytes())
+
+
+def per_episode():
+    return episode_stats(pq.read_table(ROOT / "meta/episodes/chunk-000/file-000.parquet"))
+
+
+def test_stats_json_loads_as_lerobot_casts_it():
+    stats = lerobot_stats()
+    raw = json.loads((ROOT / "meta" / "stats.json").read_text())
+    assert set(stats) == set(raw)
+    for feature, values in raw.items():
+        assert set(stats[feature]) == {"min", "max", "mean", "std", "count", *QUANTILES}
+        for name, value in values.items():
+            array = stats[feature][name]
+            assert array.dtype == (np.int64 if name == "count" else np.float64)
+            assert array.tolist() == value
+    assert stats["observation.images.front"]["mean"].shape == (3, 1, 1)
+    assert stats["action"]["std"].shape == (6,)
+    assert stats["action"]["count"].tolist() == [300]
+
+
+def test_every_episode_combined_gives_back_lerobots_stats_json():
+    combined = aggregate_stats(per_episode())
+    expected = lerobot_stats()
+    assert set(combined) == set(expected)
+    for feature, values in expected.items():
+        assert set(combined[feature]) == set(values)
+        for name, value in values.items():
+            assert combined[feature][name].shape == value.shape, (feature, name)
+            np.testing.assert_allclose(combined[feature][name], value, rtol=1e-8, atol=0,
+                                       err_msg=f"{feature}/{name}")
+
+
+@pytest.mark.parametrize("episodes", [[0], [1, 3], [0, 2, 4], [4, 3, 2, 1]])
+def test_a_subset_combined_equals_its_rows(episodes):
+    rows = pq.read_table(ROOT / "data/chunk-000/file-000.parquet").to_pydict()
+    combined = aggregate_stats([per_episode()[e] for e in episodes])
+    chosen = np.isin(np.asarray(rows["episode_index"]), episodes)
+    for feature in ("observation.state", "action"):
+        values = np.asarray(rows[feature], np.float64)[chosen]
+        got = combined[feature]
+        assert got["count"].tolist() == [len(values)]
+        np.testing.assert_array_equal(got["min"], values.min(axis=0))
+        np.testing.assert_array_equal(got["max"], values.max(axis=0))
+        np.testing.assert_allclose(got["mean"], values.mean(axis=0), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(got["std"], values.std(axis=0), rtol=1e-6, atol=1e-9)
+
+
+def test_quantiles_combine_count_weighted():
+    a = {"x": {"min": np.array([0.0]), "max": np.array([1.0]), "mean": np.array([0.5]),
+               "std": np.array([0.5]), "count": np.array([1]), "q50": np.array([0.0])}}
+    b = {"x": {"min": np.array([2.0]), "max": np.array([4.0]), "mean": np.array([3.0]),
+               "std": np.array([1.0]), "count": np.array([3]), "q50": np.array([4.0])}}
+    got = aggregate_stats([a, b])["x"]
+    assert got["q50"].tolist() == [3.0]  # (1·0 + 3·4) / 4
+    assert got["mean"].tolist() == [2.375]  # (1·0.5 + 3·3) / 4
+    # pooled variance: (1·(0.25 + 1.875²) + 3·(1 + 0.625²)) / 4
+    assert got["std"].tolist() == pytest.approx([np.sqrt((0.25 + 1.875**2 + 3 * (1 + 0.625**2))
+                                                         / 4)])
+    assert (got["min"].tolist(), got["max"].tolist(), got["count"].tolist()) == ([0.0], [4.0], [4])
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "object of features"),
+    (b'{"action": 3}', "action"),
+    (b'{"action": {"mean": [1, [2]]}}', "action/mean"),
+    (b'{"action": {"count": [2.5]}}', "action/count"),
+    (b'{"action": {"median": [1]}}', "median"),
+])
+def test_malformed_stats_name_the_feature_and_stat(text, fragment):
+    with pytest.raises(MalformedDataset, match=fragment.replace("[", r"\[")):
+        parse_stats(text)
+
+
+def test_combining_nothing_or_parts_without_moments_is_a_usage_error():
+    with pytest.raises(UsageError):
+        aggregate_stats([])
+    with pytest.raises(UsageError, match="std"):
+        aggregate_stats([{"x": {"min": np.zeros(1), "max": np.zeros(1), "mean": np.zeros(1),
+                                "count": np.ones(1, np.int64)}}])
