@@ -27,38 +27,21 @@ The rules (normative text: ``spec/SPEC.md`` §3):
 * An episode's frames come in the keyed permutation ``(seed, epoch, "frames", episode)`` of
   ``0 … frames−1``. An episode is evicted right after its last frame, then admission runs.
 
-Resume (the DataLoader side): :class:`ResumeState` is what a checkpoint stores (epoch, samples
-consumed by the rank, and the :class:`ResumeSetup` that must not change);
-:func:`batches_per_worker` replays the DataLoader's in-order round-robin batch assignment;
-:func:`resume_positions` turns a rank's offset into every worker's ``(epoch, offset, stop)`` and
-the rotation of logical workers; :func:`epoch_batches` is the distributed end-of-epoch rule.
+Resuming (which worker skips how many anchors) is :mod:`refstream.resume`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
 from itertools import islice
 
 import numpy as np
 
-from refstream.errors import EpisodeTooLarge, ResumeError, TopologyChanged, UsageError
+from refstream.errors import EpisodeTooLarge, UsageError
 from refstream.rng import derive_key, extend_key, permutation, permutation_list, u64_array
 
-__all__ = [
-    "DEFAULT_SEED",
-    "STRATEGIES",
-    "Planner",
-    "ResumeSetup",
-    "ResumeState",
-    "ResumePositions",
-    "selection_digest",
-    "batches_per_worker",
-    "epoch_batches",
-    "resume_positions",
-]
+__all__ = ["DEFAULT_SEED", "STRATEGIES", "Planner"]
 
 # The seed used when none is given (LeRobot's DEFAULT_STREAMING_SEED).
 DEFAULT_SEED = 42
@@ -258,184 +241,3 @@ def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int] |
             )
         sizes[int(episode)] = int(size)
     return sizes
-
-
-# --- resume -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResumeSetup:
-    """Everything that fixes the order of a rank's stream besides the position in it."""
-
-    seed: int
-    strategy: str
-    pool_size: int | None  # the per-worker pool size as configured; None = the per-rank default
-    byte_budget: int | None  # per rank, bytes
-    world_size: int
-    num_workers: int
-    batch_size: int
-    repeat: bool
-    selection: str  # selection_digest of the selected episodes and their frame counts
-
-
-@dataclass(frozen=True)
-class ResumeState:
-    """A rank's position: ``samples`` consumed (whole batches) since the start of ``epoch``."""
-
-    epoch: int
-    samples: int
-    setup: ResumeSetup
-
-    def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup)}
-
-    @classmethod
-    def from_dict(cls, state: dict) -> ResumeState:
-        """Parse and validate a state dict (:class:`ResumeError` names the bad field)."""
-        if not isinstance(state, dict):
-            raise ResumeError(f"a resume state is a dict, not {type(state).__name__}")
-        setup_names = [f.name for f in fields(ResumeSetup)]
-        missing = sorted({"epoch", "samples", *setup_names} - set(state))
-        if missing:
-            raise ResumeError(f"resume state lacks {missing}")
-        for name in ("epoch", "samples", "seed", "world_size", "num_workers", "batch_size"):
-            value = state[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ResumeError(f"resume state field {name} must be a non-negative integer")
-        for name in ("world_size", "num_workers", "batch_size"):
-            if state[name] < 1:
-                raise ResumeError(f"resume state field {name} must be positive")
-        for name in ("pool_size", "byte_budget"):
-            value = state[name]
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ResumeError(f"resume state field {name} must be null or a positive integer")
-        if state["strategy"] not in STRATEGIES or not isinstance(state["repeat"], bool):
-            raise ResumeError("resume state has an unknown strategy or a non-boolean repeat")
-        if state["samples"] % state["batch_size"]:
-            raise ResumeError(
-                f"a resume offset of {state['samples']} samples is not a whole number of batches "
-                f"of {state['batch_size']}"
-            )
-        if not isinstance(state["selection"], str):
-            raise ResumeError("resume state field selection must be a string digest")
-        setup = ResumeSetup(**{name: state[name] for name in setup_names})
-        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup)
-
-    def require_setup(self, current: ResumeSetup) -> None:
-        """:class:`TopologyChanged` naming every setting that differs from ``current``."""
-        changes = [
-            f"{f.name} {getattr(self.setup, f.name)!r} -> {getattr(current, f.name)!r}"
-            for f in fields(ResumeSetup)
-            if getattr(self.setup, f.name) != getattr(current, f.name)
-        ]
-        if changes:
-            raise TopologyChanged(
-                "cannot resume sample-exactly, the checkpoint was taken with another setup: "
-                + ", ".join(changes)
-            )
-
-
-def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
-    """SHA-256 (hex) of the ASCII lines ``"<episode> <frames>\\n"`` sorted by episode id."""
-    lines = "".join(f"{e} {f}\n" for e, f in sorted(zip(episodes, frames, strict=True)))
-    return hashlib.sha256(lines.encode("ascii")).hexdigest()
-
-
-def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
-    """Replay an in-order DataLoader handing out ``batches`` batches: workers take turns from
-    worker 0, a worker is skipped after its last batch (``limits[w]`` batches; ``None`` never
-    ends). Returns the batches each worker produced and the worker whose turn is next."""
-    if batches < 0:
-        raise UsageError(f"batches must be non-negative, got {batches}")
-    workers = len(limits)
-    if workers == 0:
-        raise UsageError("batches_per_worker needs at least one worker")
-    if all(limit is None for limit in limits):
-        full, extra = divmod(batches, workers)
-        return [full + (w < extra) for w in range(workers)], extra
-    counts = [0] * workers
-    active = [w for w, limit in enumerate(limits) if limit is None or limit > 0]
-    turn = 0
-    for _ in range(batches):
-        if not active:
-            break
-        worker = active[turn]
-        counts[worker] += 1
-        if limits[worker] is not None and counts[worker] >= limits[worker]:
-            active.pop(turn)
-        else:
-            turn += 1
-        turn = turn % len(active) if active else 0
-    return counts, (active[turn] if active else 0)
-
-
-def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
-    """The distributed end of a finite epoch: every rank yields this many batches, the fewest any
-    rank's DataLoader can fill, ``min over ranks of Σ_w ⌈frames[r][w] / batch_size⌉``."""
-    if batch_size < 1:
-        raise UsageError(f"batch_size must be positive, got {batch_size}")
-    if not world_worker_frames:
-        raise UsageError("epoch_batches needs at least one rank")
-    return min(sum(-(-f // batch_size) for f in rank) for rank in world_worker_frames)
-
-
-@dataclass(frozen=True)
-class ResumePositions:
-    """Where each logical worker of a rank starts, and which logical worker goes first."""
-
-    epochs: tuple[int, ...]  # the epoch each logical worker's planner starts in
-    offsets: tuple[int, ...]  # anchors of that epoch to skip
-    stops: tuple[int | None, ...]  # anchor count of that epoch after which it stops; None = never
-    rotation: int  # DataLoader worker p plays logical worker (p + rotation) mod N
-
-
-def resume_positions(
-    worker_frames: Sequence[int],
-    batch_size: int,
-    *,
-    epoch: int,
-    samples: int,
-    repeat: bool,
-    rank_batches: int | None = None,
-) -> ResumePositions:
-    """Every logical worker's start after a rank consumed ``samples`` since ``epoch`` began.
-
-    ``worker_frames[w]`` is the frame total of logical worker ``w``'s share. With ``repeat`` the
-    workers stream epoch after epoch and worker ``w``'s ``counts[w] · batch_size`` samples roll
-    over its own epochs. Without it an epoch is ``rank_batches`` batches (the value of
-    :func:`epoch_batches`; default: all the rank's batches), whole epochs roll the epoch number,
-    and each worker stops where the rank's epoch ends."""
-    if batch_size < 1:
-        raise UsageError(f"batch_size must be positive, got {batch_size}")
-    if epoch < 0 or samples < 0:
-        raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
-    if samples % batch_size:
-        raise ResumeError(
-            f"a resume offset of {samples} samples is not a whole number of batches of "
-            f"{batch_size}"
-        )
-    if not worker_frames or min(worker_frames) < 1:
-        raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
-    batches = samples // batch_size
-    if repeat:
-        counts, rotation = batches_per_worker(batches, [None] * len(worker_frames))
-        rolled = [divmod(c * batch_size, f) for c, f in zip(counts, worker_frames, strict=True)]
-        return ResumePositions(
-            epochs=tuple(epoch + q for q, _ in rolled),
-            offsets=tuple(r for _, r in rolled),
-            stops=(None,) * len(worker_frames),
-            rotation=rotation,
-        )
-    limits: list[int | None] = [-(-f // batch_size) for f in worker_frames]
-    per_epoch = sum(limits) if rank_batches is None else rank_batches
-    if not 1 <= per_epoch <= sum(limits):
-        raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits)}]")
-    whole_epochs, batches = divmod(batches, per_epoch)
-    counts, rotation = batches_per_worker(batches, limits)
-    ends, _ = batches_per_worker(per_epoch, limits)
-    return ResumePositions(
-        epochs=(epoch + whole_epochs,) * len(worker_frames),
-        offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, worker_frames, strict=True)),
-        stops=tuple(min(c * batch_size, f) for c, f in zip(ends, worker_frames, strict=True)),
-        rotation=rotation,
-    )

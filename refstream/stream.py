@@ -71,7 +71,7 @@ A checkpoint is ``dataset.state_dict(samples=steps * B, batch_size=B, num_worker
             save({"data": dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)})
 
 With ``world_size > 1`` and no ``repeat``, every rank must yield the same number of batches or
-DDP hangs: give ``batch_size`` and each rank stops after ``planner.epoch_batches`` batches (the
+DDP hangs: give ``batch_size`` and each rank stops after ``resume.epoch_batches`` batches (the
 fewest any rank can fill); the frames past that point are not emitted in that epoch.
 """
 
@@ -94,10 +94,8 @@ from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
-from refstream.planner import (
-    DEFAULT_SEED,
-    STRATEGIES,
-    Planner,
+from refstream.planner import DEFAULT_SEED, STRATEGIES, Planner
+from refstream.resume import (
     ResumeSetup,
     ResumeState,
     epoch_batches,

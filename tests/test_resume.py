@@ -25,8 +25,8 @@ from refstream.errors import (
     TopologyChanged,
     UsageError,
 )
-from refstream.planner import (
-    Planner,
+from refstream.planner import Planner
+from refstream.resume import (
     ResumeSetup,
     ResumeState,
     batches_per_worker,

@@ -32,8 +32,8 @@ from refstream.fetch import (
 )
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import parse_index_bytes
-from refstream.planner import (
-    Planner,
+from refstream.planner import Planner
+from refstream.resume import (
     ResumeSetup,
     ResumeState,
     batches_per_worker,
