@@ -39,12 +39,17 @@ from itertools import islice
 import numpy as np
 
 from refstream.errors import EpisodeTooLarge, UsageError
-from refstream.rng import derive_key, extend_key, permutation, permutation_list, u64_array
+from refstream.rng import (
+    derive_key,
+    extend_key,
+    permutation,
+    permutation_list,
+    resolve_seed,
+    u64_array,
+)
 
-__all__ = ["DEFAULT_SEED", "STRATEGIES", "Planner"]
+__all__ = ["STRATEGIES", "Planner"]
 
-# The seed used when none is given (LeRobot's DEFAULT_STREAMING_SEED).
-DEFAULT_SEED = 42
 STRATEGIES = ("pool", "round_robin")
 # Draw words are computed this many at a time with numpy (one vectorised call per block).
 _DRAW_BLOCK = 4096
@@ -67,7 +72,7 @@ class Planner:
         byte_sizes: Sequence[int] | None = None,
         byte_budget: int | None = None,
     ) -> None:
-        seed = DEFAULT_SEED if seed is None else seed
+        seed = resolve_seed(seed)
         _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size)
         self._frames = {int(e): int(f) for e, f in zip(episodes, frames, strict=True) if f > 0}
         self._sizes = _check_budget(episodes, frames, byte_sizes, byte_budget)

@@ -33,7 +33,9 @@ import numpy as np
 from refstream.errors import UsageError
 
 __all__ = [
+    "DEFAULT_SEED",
     "GOLDEN_GAMMA",
+    "resolve_seed",
     "mix64",
     "label_words",
     "derive_key",
@@ -46,6 +48,8 @@ __all__ = [
 ]
 
 MASK64 = (1 << 64) - 1
+# The seed when the user gives none (LeRobot's DEFAULT_STREAMING_SEED).
+DEFAULT_SEED = 42
 # SplitMix64's increment: 2⁶⁴ divided by the golden ratio, made odd.
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 # The two multipliers of SplitMix64's finaliser (Stafford's "Mix13" variant).
@@ -80,12 +84,22 @@ def label_words(label: int | str) -> list[int]:
     return words
 
 
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or :data:`DEFAULT_SEED` when it is None; UsageError unless an integer in
+    ``[0, 2⁶⁴)``."""
+    return DEFAULT_SEED if seed is None else _checked_seed(seed)
+
+
 def derive_key(seed: int, *labels: int | str) -> int:
     """The key of ``labels`` under ``seed``: start at the seed and, for every word of every
     label in turn, ``key = mix64((key XOR word) + GOLDEN_GAMMA mod 2⁶⁴)``."""
+    return extend_key(_checked_seed(seed), *labels)
+
+
+def _checked_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK64:
         raise UsageError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return extend_key(seed, *labels)
+    return seed
 
 
 def extend_key(key: int, *labels: int | str) -> int:

@@ -94,7 +94,7 @@ from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
-from refstream.planner import DEFAULT_SEED, STRATEGIES, Planner
+from refstream.planner import STRATEGIES, Planner
 from refstream.resume import (
     ResumeSetup,
     ResumeState,
@@ -102,6 +102,7 @@ from refstream.resume import (
     resume_positions,
     selection_digest,
 )
+from refstream.rng import resolve_seed
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
 from refstream.tables import Footers, column_array, read_episode_rows
 from refstream.windows import make_windows, window_rows
@@ -174,11 +175,11 @@ class StreamingDataset(IterableDataset):
         batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        _check_settings(seed, sampling_strategy, prefetch_episodes, byte_budget_gb,
+        _check_settings(sampling_strategy, prefetch_episodes, byte_budget_gb,
                         decode_threads, decoded_queue_size, batch_size)
         self.root = str(root)
         self.tolerance_s = float(tolerance_s)
-        self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self.seed = resolve_seed(seed)
         self.sampling_strategy = sampling_strategy
         self.episode_pool_size = episode_pool_size
         self.prefetch_episodes = prefetch_episodes
@@ -682,10 +683,8 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _check_settings(seed, strategy, prefetch_episodes, byte_budget_gb, decode_threads,
+def _check_settings(strategy, prefetch_episodes, byte_budget_gb, decode_threads,
                     decoded_queue_size, batch_size) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise UsageError(f"seed must be a non-negative integer or None, got {seed!r}")
     if strategy not in STRATEGIES:
         raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
     if prefetch_episodes < 0:

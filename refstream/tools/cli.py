@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from refstream import planner, shard
 from refstream.errors import RefstreamError, UsageError
+from refstream.rng import resolve_seed
 
 # Sub-commands register here as (add_parser_function) in the order the help lists them.
 COMMANDS: list = []
@@ -227,7 +228,7 @@ def _plan_summary(
     limits = shard.split_limits(
         num_workers, pool_size=pool_size, byte_budget=None, decoder_cache=None, cameras=0
     )
-    seed = planner.DEFAULT_SEED if seed is None else seed
+    seed = resolve_seed(seed)
     workers = []
     for worker, part in enumerate(parts):
         plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=epoch, rank=rank,
