@@ -88,6 +88,16 @@ def test_permutation_of_frames_is_a_permutation():
 def test_bad_seeds_are_refused(seed):
     with pytest.raises(UsageError, match="seed"):
         rng.derive_key(seed, "admit")
+    with pytest.raises(UsageError, match="seed"):
+        rng.resolve_seed(seed)
+
+
+def test_no_seed_is_42_and_a_seed_is_itself():
+    # SPEC §1.2; derive_key itself never defaults
+    assert rng.resolve_seed(None) == 42
+    assert [rng.resolve_seed(s) for s in (0, 7, 2**64 - 1)] == [0, 7, 2**64 - 1]
+    with pytest.raises(UsageError, match="seed"):
+        rng.derive_key(None, "admit")
 
 
 @pytest.mark.parametrize("label", [True, 1.0, None, 2**64, -(2**63) - 1])
