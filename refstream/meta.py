@@ -39,7 +39,6 @@ from __future__ import annotations
 import io
 import json
 import string
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,6 +54,7 @@ from refstream.errors import (
     UnsupportedDataset,
     UsageError,
 )
+from refstream.shard import episode_ids
 
 __all__ = [
     "Source",
@@ -229,16 +229,9 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
     """
     if episodes is None:
         return [int(e) for e in meta.episode_index]
-    ids = list(episodes)
+    ids = episode_ids(episodes, EpisodeSelectionError)
     if not ids:
         raise EpisodeSelectionError("episodes=[] selects no episode")
-    bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, int | np.integer)]
-    if bad:
-        raise EpisodeSelectionError(f"episode ids must be integers, got {bad!r}")
-    ids = [int(e) for e in ids]
-    duplicates = sorted(e for e, count in Counter(ids).items() if count > 1)
-    if duplicates:
-        raise EpisodeSelectionError(f"episodes selected more than once: {duplicates}")
     known = set(meta.episode_index.tolist())
     unknown = sorted(set(ids) - known)
     if unknown:

@@ -47,6 +47,7 @@ from refstream.rng import (
     resolve_seed,
     u64_array,
 )
+from refstream.shard import check_episodes
 
 __all__ = ["STRATEGIES", "Planner"]
 
@@ -209,14 +210,7 @@ class Planner:
 
 
 def _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size) -> None:
-    if len(episodes) != len(frames):
-        raise UsageError(f"{len(episodes)} episode ids but {len(frames)} frame counts")
-    if len(set(episodes)) != len(episodes):
-        raise UsageError("the planner's episode ids must be distinct")
-    if any(e < 0 for e in episodes):
-        raise UsageError(f"episode ids must be non-negative, got {min(episodes)}")
-    if any(f < 0 for f in frames):
-        raise UsageError(f"frame counts must be non-negative, got {min(frames)}")
+    check_episodes(episodes, frames)
     for name, value in (("epoch", epoch), ("rank", rank), ("worker", worker)):
         if value < 0:
             raise UsageError(f"{name} must be non-negative, got {value}")

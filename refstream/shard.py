@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 from refstream.errors import ShardingError, UsageError
 
 __all__ = [
     "DEFAULT_RANK_POOL_SIZE",
     "WorkerLimits",
+    "episode_ids",
+    "check_episodes",
     "lpt_partition",
     "rank_share",
     "worker_shares",
@@ -48,22 +51,39 @@ class WorkerLimits:
     decoder_cache: int  # open decoders kept
 
 
-def _check_episodes(ids: Sequence[int], frames: Sequence[int]) -> None:
+def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> list[int]:
+    """``ids`` as a list of ints; raises ``error`` naming the non-integers, else the duplicates,
+    else the negative ids."""
+    ids = list(ids)
+    bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, Integral)]
+    if bad:
+        raise error(f"episode ids must be integers, got {bad!r}")
+    ids = [int(e) for e in ids]
+    duplicates = sorted(e for e, n in Counter(ids).items() if n > 1)
+    if duplicates:
+        raise error(f"episode ids must be distinct: duplicate episode ids {duplicates}")
+    if ids and min(ids) < 0:
+        raise error(f"episode ids must be non-negative, got {sorted(e for e in ids if e < 0)}")
+    return ids
+
+
+def check_episodes(ids: Sequence[object], frames: Sequence[int]) -> list[int]:
+    """:func:`episode_ids` of ``ids``, each with one frame count ``≥ 0`` in ``frames``;
+    UsageError otherwise."""
     if len(ids) != len(frames):
         raise UsageError(f"{len(ids)} episode ids but {len(frames)} frame counts")
-    if len(set(ids)) != len(ids):
-        duplicates = sorted(e for e, n in Counter(ids).items() if n > 1)
-        raise UsageError(f"duplicate episode ids {duplicates[:10]}")
+    ids = episode_ids(ids)
     for episode, count in zip(ids, frames, strict=True):
         if count < 0:
-            raise UsageError(f"episode {episode} has a negative frame count {count}")
+            raise UsageError(f"frame counts must be non-negative: episode {episode} has {count}")
+    return ids
 
 
 def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list[list[int]]:
     """Split episodes into ``parts`` lists by LPT; zero-frame episodes are left out."""
     if parts < 1:
         raise UsageError(f"cannot partition into {parts} parts")
-    _check_episodes(ids, frames)
+    ids = check_episodes(ids, frames)
     shards: list[list[int]] = [[] for _ in range(parts)]
     # The heap's smallest (load, part) is the least-loaded part, ties to the lowest index.
     loads = [(0, part) for part in range(parts)]

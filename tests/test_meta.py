@@ -293,7 +293,7 @@ def test_selection_rules():
     assert select_episodes(meta, None) == [0, 1, 2, 3, 4]
     assert select_episodes(meta, [4, 1]) == [1, 4]
     assert select_episodes(meta, np.array([3, 0])) == [0, 3]
-    with pytest.raises(EpisodeSelectionError, match=r"more than once: \[1, 3\]"):
+    with pytest.raises(EpisodeSelectionError, match=r"duplicate episode ids \[1, 3\]"):
         select_episodes(meta, [1, 3, 1, 3, 1])
     with pytest.raises(EpisodeSelectionError, match=r"not in the dataset: \[5, 9\]"):
         select_episodes(meta, [9, 0, 5])
@@ -383,7 +383,7 @@ ERROR_REASONS = {
     "malformed-total-frames": "total_frames is 11",
     "malformed-unknown-placeholder": "{episode_index}",
     "malformed-video-times": "episode 1: videos/observation.images.front",
-    "selection-duplicates": "more than once: [2]",
+    "selection-duplicates": "duplicate episode ids [2]",
     "selection-unknown": "not in the dataset: [3]",
     "unsafe-absolute-video-path": "'/videos/observation.images.front/0/0.mp4'",
     "unsafe-data-path-escapes-root": "'../0/0.parquet'",

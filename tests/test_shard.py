@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from core_oracle import expected_shard, lpt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refstream import shard
-from refstream.errors import ShardingError, UsageError
+from refstream.errors import EpisodeSelectionError, ShardingError, UsageError
+from refstream.planner import Planner
 from refstream.tools import conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "shard"
@@ -79,6 +81,29 @@ def test_sharding_errors_name_the_numbers():
         shard.lpt_partition([1], [-1], 1)
     with pytest.raises(UsageError, match="rank 2"):
         shard.rank_share([1], [1], 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ([1, True], r"integers, got \[True\]"),
+        ([1, 2.0], r"integers, got \[2.0\]"),
+        ([3, 1, 3, 1], r"duplicate episode ids \[1, 3\]"),
+        ([4, -2, -1], r"non-negative, got \[-2, -1\]"),
+    ],
+)
+def test_one_episode_id_rule_for_selections_shards_and_planners(ids, match):
+    with pytest.raises(EpisodeSelectionError, match=match):
+        shard.episode_ids(ids, EpisodeSelectionError)
+    with pytest.raises(UsageError, match=match):
+        shard.lpt_partition(ids, [1] * len(ids), 2)
+    with pytest.raises(UsageError, match=match):
+        Planner(ids, [1] * len(ids), seed=1, epoch=0, rank=0, worker=0, pool_size=2)
+
+
+def test_episode_ids_are_plain_ints():
+    got = shard.episode_ids(np.array([5, 0, 9]))
+    assert got == [5, 0, 9] and all(type(e) is int for e in got)
 
 
 @pytest.mark.parametrize(
