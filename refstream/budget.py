@@ -9,7 +9,6 @@ Public calls, in the order a worker makes them::
 
     budget = ByteBudget(budget_bytes)
     budget.try_reserve(e, size)          # speculative prefetch: never waits, False when full
-    budget.reserve(e, size)              # admission: waits until the episode fits
     budget.acquire(e, size)              # a decode: reserve (waiting) and take a lease, atomically
     if budget.claim_fetch(e): ...        # True once per reservation: the caller fetches, then
     budget.mark_resident(e, nbytes)      #   counts each payload that arrived,
@@ -66,7 +65,6 @@ class BudgetSnapshot:
     reserved_bytes: int
     resident_bytes: int
     peak_reserved_bytes: int
-    reservations: int  # number of reserved episodes
     leases: int  # total lease count over all episodes
     evictions: int  # episodes evicted since construction
 
@@ -111,11 +109,6 @@ class ByteBudget:
         with self._cond:
             return self._reserved_bytes
 
-    @property
-    def resident_bytes(self) -> int:
-        with self._cond:
-            return self._resident_bytes
-
     def snapshot(self) -> BudgetSnapshot:
         """All counters at one instant."""
         with self._cond:
@@ -124,7 +117,6 @@ class ByteBudget:
                 reserved_bytes=self._reserved_bytes,
                 resident_bytes=self._resident_bytes,
                 peak_reserved_bytes=self._peak_reserved_bytes,
-                reservations=len(self._table),
                 leases=sum(r.leases for r in self._table.values()),
                 evictions=self._evictions,
             )
@@ -144,11 +136,6 @@ class ByteBudget:
         """Reserve for a speculative prefetch; never waits. False when it does not fit."""
         with self._cond:
             return self._reserve_locked(episode, size_bytes)
-
-    def reserve(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
-        """Reserve for admission, waiting until it fits. False only when ``timeout_s`` ran out."""
-        with self._cond:
-            return self._wait_reserve_locked(episode, size_bytes, timeout_s)
 
     def acquire(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
         """Reserve (waiting) and take one lease, atomically. False only on timeout."""

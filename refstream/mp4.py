@@ -80,8 +80,6 @@ ReadRange = Callable[[int, int], bytes]
 # Size of each probe read: the first holds ftyp and the next box header (and a short clip's
 # whole moov); a probe can reach into the payload of an mdat behind its header by this much.
 PROBE_BYTES = 4096
-# Boxes whose payload is a sequence of child boxes.
-CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "udta"})
 # FFmpeg drops a whole ctts table holding an offset beyond this magnitude (mov_read_ctts).
 CTTS_LIMIT = 1 << 28
 

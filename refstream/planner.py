@@ -108,11 +108,6 @@ class Planner:
         return list(self._left)
 
     @property
-    def resident_bytes(self) -> int:
-        """Sum of the byte sizes of the residents (0 without a budget)."""
-        return self._resident_bytes
-
-    @property
     def remaining(self) -> int:
         """Anchors left this epoch."""
         return self._total - self._emitted

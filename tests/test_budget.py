@@ -27,7 +27,7 @@ def test_reserve_counts_exact_sizes_and_refuses_too_large():
     budget = ByteBudget(100)
     assert budget.try_reserve(1, 30)
     assert budget.try_reserve(2, 70)
-    assert budget.reserved_bytes == 100 and budget.resident_bytes == 0
+    assert budget.reserved_bytes == 100 and budget.snapshot().resident_bytes == 0
     with pytest.raises(EpisodeTooLarge, match="episode 3: 101 bytes"):
         budget.try_reserve(3, 101)
     # exactly the budget is allowed (once the room is free)
@@ -51,7 +51,7 @@ def test_two_cameras_share_one_reservation():
     assert budget.try_reserve(0, 10) and budget.claim_fetch(0)
     assert not budget.claim_fetch(0)  # the second camera's caller does not fetch again
     assert budget.mark_resident(0, 4) and budget.mark_resident(0, 6)
-    assert budget.resident_bytes == budget.reserved_bytes == 10
+    assert budget.snapshot().resident_bytes == budget.reserved_bytes == 10
     with pytest.raises(BudgetError, match="over its reservation of 10 bytes"):
         budget.mark_resident(0, 1)
 
@@ -82,7 +82,7 @@ def test_eviction_is_lru_and_all_or_nothing():
     # 4 is still in flight; evicting 3 and 1 frees 60 < 70 needed: nothing may be evicted
     assert not budget.try_reserve(5, 70)
     assert budget.take_evicted() == [] and budget.lru_order() == [3, 1, 4]
-    assert budget.resident_bytes == 60
+    assert budget.snapshot().resident_bytes == 60
 
 
 def test_late_payload_of_a_forgotten_episode_is_refused():
@@ -91,7 +91,7 @@ def test_late_payload_of_a_forgotten_episode_is_refused():
     budget.forget(1)
     assert not budget.mark_resident(1, 5)
     assert not budget.mark_fetched(1)
-    assert budget.resident_bytes == 0 and budget.reserved_bytes == 0
+    assert budget.snapshot().resident_bytes == 0 and budget.reserved_bytes == 0
 
 
 def test_forget_refuses_leased_or_in_flight_episodes():
@@ -117,7 +117,7 @@ def test_admission_waits_and_is_woken_by_the_last_release():
     done = threading.Event()
 
     def admit():
-        assert budget.reserve(2, 50, timeout_s=5)
+        assert budget.acquire(2, 50, timeout_s=5)
         done.set()
 
     thread = threading.Thread(target=admit, daemon=True)
@@ -135,7 +135,7 @@ def test_timeout_returns_false_and_changes_nothing():
     budget = ByteBudget(10)
     assert budget.acquire(1, 10)
     started = time.monotonic()
-    assert not budget.reserve(2, 1, timeout_s=0.05)
+    assert not budget.acquire(2, 1, timeout_s=0.05)
     assert not budget.acquire(2, 1, timeout_s=0)
     assert time.monotonic() - started < 2
     assert budget.lru_order() == [1]

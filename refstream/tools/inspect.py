@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 
 from refstream.mp4 import (
-    CONTAINERS,
     Box,
     ReadRange,
     box_header,
@@ -15,6 +14,9 @@ from refstream.mp4 import (
     parse_moov,
     walk_boxes,
 )
+
+# Boxes whose payload is a sequence of child boxes.
+CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "udta"})
 
 
 def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
