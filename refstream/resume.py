@@ -47,7 +47,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ResumeSetup:
-    """Everything that fixes the order of a rank's stream besides the position in it."""
+    """Everything that fixes the order of a rank's stream besides the position in it (the
+    checkpoint fields of SPEC §3.6 and §9.4)."""
 
     seed: int
     strategy: str
@@ -62,18 +63,20 @@ class ResumeSetup:
 
 @dataclass(frozen=True)
 class ResumeState:
-    """A rank's position: ``samples`` consumed (whole batches) since the start of ``epoch``."""
+    """A checkpoint: ``samples`` the rank consumed (whole batches) since ``epoch`` began."""
 
     epoch: int
     samples: int
     setup: ResumeSetup
 
     def to_dict(self) -> dict:
+        """The flat JSON-ready dict of SPEC §3.6 that :meth:`from_dict` reads back."""
         return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup)}
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
-        """Parse and validate a state dict (:class:`ResumeError` names the bad field)."""
+        """The state a checkpoint dict holds; ResumeError naming the field that breaks SPEC
+        §3.6 ("Resume state")."""
         if not isinstance(state, dict):
             raise ResumeError(f"a resume state is a dict, not {type(state).__name__}")
         setup_names = [f.name for f in fields(ResumeSetup)]
@@ -93,18 +96,15 @@ class ResumeState:
                 raise ResumeError(f"resume state field {name} must be null or a positive integer")
         if state["strategy"] not in STRATEGIES or not isinstance(state["repeat"], bool):
             raise ResumeError("resume state has an unknown strategy or a non-boolean repeat")
-        if state["samples"] % state["batch_size"]:
-            raise ResumeError(
-                f"a resume offset of {state['samples']} samples is not a whole number of batches "
-                f"of {state['batch_size']}"
-            )
+        _check_whole_batches(state["samples"], state["batch_size"])
         if not isinstance(state["selection"], str):
             raise ResumeError("resume state field selection must be a string digest")
         setup = ResumeSetup(**{name: state[name] for name in setup_names})
         return cls(epoch=state["epoch"], samples=state["samples"], setup=setup)
 
     def require_setup(self, current: ResumeSetup) -> None:
-        """:class:`TopologyChanged` naming every setting that differs from ``current``."""
+        """Return if the checkpoint's setup is ``current``; else TopologyChanged naming every
+        field that differs as ``name old -> new``."""
         changes = [
             f"{f.name} {getattr(self.setup, f.name)!r} -> {getattr(current, f.name)!r}"
             for f in fields(ResumeSetup)
@@ -118,15 +118,16 @@ class ResumeState:
 
 
 def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
-    """SHA-256 (hex) of the ASCII lines ``"<episode> <frames>\\n"`` sorted by episode id."""
+    """The ``selection`` field of a checkpoint: a SHA-256 of the selected episodes and their
+    frame counts (SPEC §3.6)."""
     lines = "".join(f"{e} {f}\n" for e, f in sorted(zip(episodes, frames, strict=True)))
     return hashlib.sha256(lines.encode("ascii")).hexdigest()
 
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
-    """Replay an in-order DataLoader handing out ``batches`` batches: workers take turns from
-    worker 0, a worker is skipped after its last batch (``limits[w]`` batches; ``None`` never
-    ends). Returns the batches each worker produced and the worker whose turn is next."""
+    """``(counts, next)``: how many of an in-order DataLoader's first ``batches`` batches each
+    worker produced, and whose turn is next, when worker ``w`` has ``limits[w]`` batches
+    (``None``: never ends) — SPEC §3.6 "Replay"."""
     if batches < 0:
         raise UsageError(f"batches must be non-negative, got {batches}")
     workers = len(limits)
@@ -152,8 +153,8 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
-    """The distributed end of a finite epoch: every rank yields this many batches, the fewest any
-    rank's DataLoader can fill, ``min over ranks of Σ_w ⌈frames[r][w] / batch_size⌉``."""
+    """The batches every rank yields in a finite distributed epoch (SPEC §3.7), given the frame
+    total of every worker share of every rank."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if not world_worker_frames:
@@ -180,22 +181,16 @@ def resume_positions(
     repeat: bool,
     rank_batches: int | None = None,
 ) -> ResumePositions:
-    """Every logical worker's start after a rank consumed ``samples`` since ``epoch`` began.
-
-    ``worker_frames[w]`` is the frame total of logical worker ``w``'s share. With ``repeat`` the
-    workers stream epoch after epoch and worker ``w``'s ``counts[w] · batch_size`` samples roll
-    over its own epochs. Without it an epoch is ``rank_batches`` batches (the value of
-    :func:`epoch_batches`; default: all the rank's batches), whole epochs roll the epoch number,
-    and each worker stops where the rank's epoch ends."""
+    """Where every logical worker starts after the rank consumed ``samples`` since ``epoch``
+    began (SPEC §3.6 "Worker positions"); ``worker_frames[w]`` is the frame total of logical
+    worker ``w``'s share and ``rank_batches`` the :func:`epoch_batches` of a finite distributed
+    epoch (default: all the rank's batches). ResumeError for a position that is not whole
+    batches."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if epoch < 0 or samples < 0:
         raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
-    if samples % batch_size:
-        raise ResumeError(
-            f"a resume offset of {samples} samples is not a whole number of batches of "
-            f"{batch_size}"
-        )
+    _check_whole_batches(samples, batch_size)
     if not worker_frames or min(worker_frames) < 1:
         raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
     batches = samples // batch_size
@@ -221,3 +216,11 @@ def resume_positions(
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, worker_frames, strict=True)),
         rotation=rotation,
     )
+
+
+def _check_whole_batches(samples: int, batch_size: int) -> None:
+    if samples % batch_size:
+        raise ResumeError(
+            f"a resume offset of {samples} samples is not a whole number of batches of "
+            f"{batch_size}"
+        )
