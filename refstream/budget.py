@@ -1,48 +1,25 @@
-"""The byte budget: a reservation table for episode payloads (no I/O, thread-safe).
+"""The byte budget: a thread-safe table of whole-episode reservations (SPEC §8.6, §9.3).
 
-Every episode is reserved whole, at its exact synthesized size (the sum over cameras of the
-mini-MP4 sizes computed from the index), *before* any of its bytes is fetched. The table only
-counts bytes; the payloads themselves live with the caller (``stream.py``), which drops the
-payloads of every episode this table evicts or forgets.
-
-Public calls, in the order a worker makes them::
+An episode is reserved whole, at its exact synthesized size, before any of its bytes is fetched.
+The table counts bytes and never holds payloads: the caller keeps them and drops the payloads of
+every episode the table evicts. The calls of one worker, in the order it makes them::
 
     budget = ByteBudget(budget_bytes)
-    budget.try_reserve(e, size)          # speculative prefetch: never waits, False when full
-    budget.acquire(e, size)              # a decode: reserve (waiting) and take a lease, atomically
-    if budget.claim_fetch(e): ...        # True once per reservation: the caller fetches, then
-    budget.mark_resident(e, nbytes)      #   counts each payload that arrived,
-    budget.mark_fetched(e)               #   and says no more bytes are coming (also on failure)
-    budget.release(e)                    # a decode finished with the episode
+    budget.try_reserve(e, size)          # prefetch: never waits; False when it does not fit
+    budget.acquire(e, size)              # admission or a decode: reserve, waiting, + one lease
+    if budget.claim_fetch(e):            # True once per reservation: this caller fetches,
+        budget.mark_resident(e, nbytes)  #   counts each payload that arrived,
+        budget.mark_fetched(e)           #   and says no more is coming (also after a failure)
+    budget.release(e)                    # one lease fewer
     budget.forget(e)                     # the episode is drained: drop its reservation
-    budget.take_evicted()                # episodes evicted since the last call (drop payloads)
+    budget.take_evicted()                # evicted since the last call: drop their payloads
     budget.close()                       # every waiter wakes with BudgetClosed
 
-Rules (the state machine lives here and nowhere else):
-
-* ``reserved_bytes`` is the sum of the sizes of all reservations; it never exceeds
-  ``budget_bytes``. ``resident_bytes`` is the sum of payload bytes marked resident; an
-  episode's resident bytes never exceed its reserved size.
-* An episode larger than the whole budget raises :class:`EpisodeTooLarge` at once.
-* Reserving an episode that is already reserved succeeds at once and makes it the most recently
-  used; its size must be the same.
-* When a new episode does not fit, reservations that are *evictable* — no lease, and fetched
-  (``mark_fetched`` was called) — are evicted in least-recently-used order, but only if evicting
-  them makes the new episode fit; otherwise nothing is evicted. A reservation whose fetch is in
-  flight, or that is leased, is never evicted. Reserving and acquiring make an episode the most
-  recently used.
-* ``try_reserve`` never waits: at a full budget it returns False. ``reserve`` and ``acquire``
-  wait, woken by every change that can free room (``release`` of the last lease, ``forget``,
-  ``mark_fetched``), and return False only when ``timeout_s`` runs out.
-* ``forget`` requires no lease and no fetch in flight (a caller waits for its fetches first), so
-  a late payload can never be counted against a newer reservation of the same episode.
-* ``mark_resident`` / ``mark_fetched`` of an episode that is no longer reserved return False:
-  the caller drops that payload.
-* After ``close()`` every reserving call raises :class:`BudgetClosed` (also in threads already
-  waiting); releasing calls become no-ops so cleanup paths never raise.
-
-A caller that wants an admitted episode kept between decodes holds a lease on it from admission
-until it is drained; the table itself has no notion of the pool.
+The state machine is SPEC §8.6 and lives in this module only. Invariants: ``resident ≤ reserved ≤
+budget_bytes`` at every instant; a reservation that is leased or whose fetch is in flight is never
+evicted, and nothing is evicted unless that makes the new episode fit. ``acquire`` is the only
+call that blocks: it waits on a condition woken by every change that can free room. After
+``close()`` releasing calls do nothing, so cleanup paths never raise. No I/O.
 """
 
 from __future__ import annotations
@@ -106,6 +83,7 @@ class ByteBudget:
 
     @property
     def reserved_bytes(self) -> int:
+        """The sum of the sizes of all reservations."""
         with self._cond:
             return self._reserved_bytes
 
@@ -122,6 +100,7 @@ class ByteBudget:
             )
 
     def is_reserved(self, episode: int) -> bool:
+        """True while ``episode`` holds a reservation."""
         with self._cond:
             return episode in self._table
 
@@ -133,12 +112,13 @@ class ByteBudget:
     # --- reserving ------------------------------------------------------------------------
 
     def try_reserve(self, episode: int, size_bytes: int) -> bool:
-        """Reserve for a speculative prefetch; never waits. False when it does not fit."""
+        """Reserve ``episode`` without waiting (SPEC §8.6 reserve); False when it does not fit."""
         with self._cond:
             return self._reserve_locked(episode, size_bytes)
 
     def acquire(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
-        """Reserve (waiting) and take one lease, atomically. False only on timeout."""
+        """Reserve, waiting until it fits, and take one lease, atomically (SPEC §8.6); False only
+        when ``timeout_s`` runs out."""
         with self._cond:
             if not self._wait_reserve_locked(episode, size_bytes, timeout_s):
                 return False
@@ -146,7 +126,7 @@ class ByteBudget:
             return True
 
     def release(self, episode: int) -> None:
-        """Drop one lease taken by :meth:`acquire`."""
+        """Drop one lease taken by :meth:`acquire`; UsageError without one."""
         with self._cond:
             if self._closed:
                 return
@@ -158,7 +138,8 @@ class ByteBudget:
                 self._cond.notify_all()
 
     def forget(self, episode: int) -> None:
-        """Drop a drained episode's reservation (no lease, no fetch in flight); absent is fine."""
+        """Drop a drained episode's reservation (absent is fine); UsageError while it is leased
+        or its fetch is in flight."""
         with self._cond:
             if self._closed:
                 return

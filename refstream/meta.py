@@ -1,37 +1,25 @@
-"""LeRobot v3.0 dataset metadata: ``info.json``, the episodes table, tasks and path templates.
+"""LeRobot v3.0 dataset metadata and the episode selection (SPEC §4).
 
-Usage::
+Use::
 
-    meta = load_meta(open_source("/data/my_dataset"))    # refstream.fetch: local, HTTP, hf://
-    ids = select_episodes(meta, [3, 7])                   # None selects every episode
+    meta = load_meta(source)                      # any Source; MemorySource holds files in a dict
+    ids = select_episodes(meta, [3, 7])           # None selects every episode
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
 
-Everything is read through a :class:`Source`, an object with one method
-``read_bytes(relpath) -> bytes`` that returns a whole file of the dataset by its path relative to
-the dataset root. No listing is needed: every file name is derived from ``meta/info.json``.
-:class:`MemorySource` reads a ``{relpath: bytes}`` dict; the local, HTTP and ``hf://`` sources
-live in ``fetch.py``. Every source refuses unsafe paths with :func:`check_relpath` and reports a
-missing file as :class:`MalformedDataset` naming it.
+A :class:`Source` has one method, ``read_bytes(relpath) -> bytes``: a whole file by its path
+relative to the dataset root (the local, HTTP and Hub sources are edges of the library). No
+listing is needed; every file name comes from ``meta/info.json``. :func:`load_meta` reads
+``meta/info.json`` (SPEC §4.2), the episodes files in LeRobot's rollover order with only the
+columns refstream uses (§4.3; ``stats/*`` is never read) and ``meta/tasks.parquet`` (§4.4), and
+checks them all before it returns. :func:`select_episodes` applies §4.5.
 
-What is read, in order (the normative rules are in ``spec/SPEC.md`` §4):
-
-1. ``meta/info.json`` — ``codebase_version`` must be ``"v3.0"`` and ``storage_format`` absent or
-   ``"parquet"``; anything else is :class:`UnsupportedDataset` saying what the dataset is. Then
-   ``fps``, ``features`` (``dtype == "video"`` features are the cameras, in ``info.json`` order;
-   ``dtype == "image"`` features are refused: images stored inside Parquet are out of scope),
-   ``total_episodes``, ``total_frames``, ``chunks_size`` and the ``data_path`` / ``video_path``
-   templates (only the fields ``chunk_index``, ``file_index`` and ``video_key`` are allowed).
-2. ``meta/episodes/chunk-CCC/file-FFF.parquet`` files, starting at chunk 0 file 0 and moving to
-   the next file by LeRobot's rollover rule (``file + 1``, or ``chunk + 1, file 0`` after file
-   ``chunks_size − 1``) until ``total_episodes`` rows have been read. Only the columns refstream
-   uses are projected (:data:`EPISODE_COLUMNS` and four per camera); the ``stats/*`` columns are
-   never read.
-3. ``meta/tasks.parquet`` — the task string of each ``task_index``.
-
-Every per-episode column is a numpy array in episode order (``int64`` counts and indices,
-``float64`` seconds). Frames of an episode are ``dataset_to_index − dataset_from_index`` and must
-equal its ``length``. Every path built from a template is checked to be relative and to stay
-inside the dataset root (:class:`UnsafePath`).
+Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
+indices, ``float64`` seconds; episode ids strictly increasing; an episode's frames are
+``dataset_to_index − dataset_from_index`` and equal its ``length``; every path the templates
+give for this dataset was checked safe at load time (:func:`check_relpath`, §4.1). Errors:
+:class:`~refstream.errors.UnsupportedDataset` (valid, but not what refstream reads; says what it
+is), :class:`~refstream.errors.MalformedDataset` (names the file, episode and field),
+:class:`~refstream.errors.UnsafePath` and :class:`~refstream.errors.EpisodeSelectionError`.
 """
 
 from __future__ import annotations
@@ -58,7 +46,7 @@ from refstream.shard import episode_ids
 
 __all__ = [
     "Source",
-        "DatasetMeta",
+    "DatasetMeta",
     "load_meta",
     "select_episodes",
     "check_relpath",
@@ -101,13 +89,8 @@ class Source(Protocol):
 
 
 def check_relpath(relpath: str) -> str:
-    """Return ``relpath`` if it is a safe root-relative POSIX path, else raise UnsafePath.
-
-    Safe: non-empty; no ``\\``, ``:`` or NUL character (no drive letters, URL schemes or Windows
-    separators); every ``/``-separated component non-empty and neither ``.`` nor ``..`` (so no
-    leading ``/``, no ``//`` and no way up). The check is lexical: symbolic links inside the root
-    (as in a Hugging Face cache snapshot) are followed by the operating system, not judged here.
-    """
+    """``relpath`` if it is a safe root-relative path by the lexical rule of SPEC §4.1, else
+    UnsafePath."""
     if not isinstance(relpath, str) or not relpath:
         raise UnsafePath(f"path {relpath!r} is empty or not a string")
     if any(ch in relpath for ch in "\\:\x00"):
@@ -189,7 +172,7 @@ class DatasetMeta:
 
 
 def load_meta(source: Source) -> DatasetMeta:
-    """Read and validate a dataset's metadata (see the module docstring for the steps)."""
+    """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
     info = _read_info(source)
     features = info["features"]
     camera_keys = [key for key, feature in features.items() if feature["dtype"] == "video"]
@@ -222,11 +205,8 @@ def load_meta(source: Source) -> DatasetMeta:
 
 
 def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[int]:
-    """The selected episode ids in ascending order; ``None`` selects every episode.
-
-    Duplicate or unknown ids, non-integers and an empty selection raise EpisodeSelectionError
-    naming them.
-    """
+    """The selected episode ids in ascending order, ``None`` selecting every episode (SPEC
+    §4.5); EpisodeSelectionError naming the ids that break the rule."""
     if episodes is None:
         return [int(e) for e in meta.episode_index]
     ids = episode_ids(episodes, EpisodeSelectionError)
@@ -245,6 +225,7 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
 
 
 def _read_info(source: Source) -> dict:
+    """The ``info.json`` object, after the checks of SPEC §4.2 in their order."""
     try:
         info = json.loads(source.read_bytes(INFO_PATH))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -300,7 +281,7 @@ def _check_version(info: dict) -> None:
 
 
 def _check_template(template: object, name: str, fields: frozenset[str]) -> None:
-    """A template is a str.format string using each of ``fields`` and nothing else."""
+    """MalformedDataset unless ``template`` is valid over exactly ``fields`` (SPEC §4.2)."""
     if not isinstance(template, str):
         raise MalformedDataset(f"{INFO_PATH}: {name} must be a string, got {template!r}")
     try:
@@ -393,6 +374,7 @@ def _column_array(table: pa.Table, column: str, relpath: str) -> np.ndarray:
 
 
 def _check_episodes(meta: DatasetMeta) -> None:
+    """MalformedDataset unless the episodes table is consistent (SPEC §4.3 checks 1–5)."""
     ids = meta.episode_index
     if len(ids) and ids[0] < 0:
         raise MalformedDataset(f"meta/episodes: negative episode_index {int(ids[0])}")
@@ -439,7 +421,8 @@ def _check_episodes(meta: DatasetMeta) -> None:
 
 
 def _check_paths(meta: DatasetMeta) -> None:
-    """Format every distinct (chunk, file) pair once, so a bad template fails at load time."""
+    """Format every distinct (chunk, file) pair once, so a bad template fails at load time
+    (SPEC §4.3 check 6)."""
     for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
         _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
     for key in meta.camera_keys:
@@ -460,8 +443,7 @@ def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, in
 
 
 def _read_tasks(source: Source, info: dict) -> list[str]:
-    """Task strings by task_index. LeRobot writes a pandas frame indexed by the task string; in
-    Parquet that index is the string column ``task`` beside the int column ``task_index``."""
+    """Task strings by task_index (SPEC §4.4)."""
     table = _read_columns(source, TASKS_PATH, ["task_index", "task"])
     task_type = table["task"].type
     if table["task"].null_count or not (

@@ -1,55 +1,24 @@
-"""The per-sample index of an MP4's first video track, read from its ``moov`` box.
+"""The per-sample index of an MP4's first video track, read from its ``moov`` box (SPEC §6).
 
-Call :func:`parse_index` with a ``read_range(offset, length) -> bytes`` callable and the file
-size, or :func:`parse_index_bytes` with the whole file in memory. Both return a
-:class:`SampleIndex`: numpy arrays in decode order whose ``dts`` and ``pts`` are exactly the
-packet timestamps FFmpeg's mov demuxer (and so PyAV and ``ffprobe``) reports. This module does
-no I/O of its own and imports only the standard library and numpy.
+Use::
 
-Finding ``moov`` (:func:`locate_moov`) walks the top-level boxes with a few range reads: a 4 KiB
-probe at offset 0; a box that starts or ends beyond the bytes in hand is skipped by its size and
-the next probe starts at the next box; ``moov`` (and ``ftyp``) are completed with one read of
-exactly what is missing. A faststart file needs at most 2 reads, a file with ``moov``
-behind its ``mdat`` at most 3. A probe starts at a box header, so media payload is read only
-in the 4 KiB after an ``mdat`` header that a probe starts at.
+    index = parse_index(read_range, file_size, path)     # read_range(offset, length) -> bytes
+    index = parse_index_bytes(data, path)                # or the whole file in memory
+    index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
-Boxes read, and what each gives:
+:func:`parse_index` is :func:`locate_moov` — a few range reads over the top-level boxes that skip
+media payload (SPEC §6.2) — then :func:`parse_moov`, which reads the video track's tables into a
+:class:`SampleIndex` (SPEC §6.3–6.5). :func:`walk_boxes`, :func:`box_header` and
+:func:`edit_list` serve reports that show a file's boxes.
 
-* ``ftyp`` — copied whole (header included) into :attr:`SampleIndex.ftyp`.
-* ``moov/mvhd`` — the movie timescale (edit durations are in it).
-  ``moov/mvex`` or a top-level ``moof`` — a fragmented file: :class:`UnsupportedMp4`.
-* the first ``trak`` whose ``mdia/hdlr`` handler is ``vide``; its ``tkhd`` (track id) and
-  ``mdia/mdhd`` v0/v1 (media timescale: every tick count below is in it).
-* ``stbl/stsd`` — payload copied verbatim; exactly one sample entry, whose fourcc is the codec and
-  whose visual fields give width and height.
-* ``stts`` — run-length durations; ``dts`` is their running sum from 0.
-* ``ctts`` v0/v1 — composition offsets, both versions read as signed 32-bit (real files store
-  negative offsets in v0), so ``pts = dts + offset``.
-* ``stss`` — 1-based sync sample numbers; no ``stss`` means every sample is a keyframe.
-* ``stsz`` or ``stz2`` — sample sizes; ``stsc`` + ``stco`` or ``co64`` — each sample's offset
-  (samples of a chunk are contiguous from the chunk offset, in decode order).
-* ``trak/edts/elst`` v0/v1 — see "Timestamps" below.
-
-Timestamps, as FFmpeg computes them (``libavformat/mov.c``, default options). Let ``d[i]`` be the
-``stts`` running sum (``d[0] = 0``) and ``c[i]`` the composition offset, so the raw presentation
-time is ``p[i] = d[i] + c[i]``. FFmpeg's *dts shift* is ``s = max(0, -c)`` over the ``ctts``
-entries except the last two. Without an edit list ``dts = d - s`` and ``pts = d + c``. The edit
-lists accepted are one media edit ``(duration D, media_time M ≥ 0, rate 1)``, optionally after
-one empty edit ``(duration E, media_time -1)``; ``D`` and ``E`` are in the movie timescale and
-are rescaled to the media timescale rounding half up (``av_rescale``): ``D'``, ``E'``. Then, with
-``m = min(p)``, ``dts = d - s + E' - max(m, 0)`` and ``pts = dts + s + c``. The formula holds only
-when FFmpeg keeps and does not discard any sample, so a file is rejected
-(:class:`UnsupportedMp4`) unless every sample presents inside the edit (``M ≤ p[i] < M + D'``),
-no keyframe other than sample 0 presents at or before ``M`` (FFmpeg would start the edit
-there), and no keyframe before the last sample ends the edit early (``p[i] + duration[i] ≥ M + D'``
-for the first such keyframe, or the second one when there is a ``ctts``). Any other edit list
-(several media edits, rate ≠ 1, a trailing empty edit) is :class:`UnsupportedMp4` too.
-
-Every inconsistency is a :class:`MalformedMp4` naming the file, box, field and offset: a box whose
-size is smaller than its header or runs past its parent, tables whose sample counts disagree, an
-entry count larger than its box can hold (checked before anything is allocated, so memory is
-bounded by the box sizes), ``stsc`` chunks outside the offset table, samples past the end of the
-file.
+Invariants: ``dts`` and ``pts`` equal, sample for sample, the packet timestamps of FFmpeg's mov
+demuxer (PyAV, ``ffprobe``); a file on which FFmpeg would drop, discard or re-time samples is
+refused rather than indexed differently. Memory is bounded by the box sizes: an entry count is
+checked against its box before anything is allocated. Errors say whose fault it is:
+:class:`~refstream.errors.MalformedMp4` (the file breaks the format; names the file, box, field
+and offset), :class:`~refstream.errors.UnsupportedMp4` (valid, but fragmented, an edit list of
+another shape, several sample entries …), :class:`~refstream.errors.ShortRead` (``read_range``
+returned fewer bytes than asked). No I/O of its own; only the standard library and numpy.
 """
 
 from __future__ import annotations
@@ -140,7 +109,8 @@ class EditList:
 
 
 def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple[str, int, int]:
-    """(type, header size, declared size or 0) of the box whose header starts at ``data[pos]``."""
+    """(type, header size, declared size or 0) of the box whose header starts at ``data[pos]``
+    (SPEC §6.1); MalformedMp4 for a truncated or undersized header."""
     where = base + pos
     if limit - pos < 8:
         raise MalformedMp4(f"{path}: truncated box header at offset {where}")
@@ -163,10 +133,8 @@ def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple
 
 
 def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[Box]:
-    """The boxes laid end to end in ``data[start:end]``; ``base`` is the file offset of data[0].
-
-    A size of 0 means "to the end of the parent". A box that runs past ``end`` is malformed.
-    """
+    """The boxes laid end to end in ``data[start:end]`` (SPEC §6.1); ``base`` is the file
+    offset of ``data[0]``. MalformedMp4 for a box that runs past ``end``."""
     boxes = []
     pos = start
     while pos < end:
@@ -191,7 +159,7 @@ def _read(read_range: ReadRange, offset: int, length: int, path: str) -> bytes:
 
 
 def locate_moov(read_range: ReadRange, file_size: int, path: str) -> tuple[Box, bytes, bytes]:
-    """(moov box, moov bytes, ftyp bytes) found with a few reads; never reads media payload."""
+    """(moov box, moov bytes, ftyp bytes) found with the reads of SPEC §6.2."""
     buf, buf_at = b"", 0
     ftyp = b""
     pos = 0
@@ -431,7 +399,7 @@ def _rescale(ticks: int, to_scale: int, from_scale: int) -> int:
 
 def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: int,
                 movie_timescale: int, keyframe: np.ndarray):
-    """(dts, pts, duration) int64 arrays, FFmpeg's view (see the module docstring)."""
+    """(dts, pts, duration) int64 arrays in the media timescale (SPEC §6.4–6.5)."""
     stts = m.child(stbl, "stts")
     counts, deltas = _runs(m, stts, signed=False)
     if int(counts.sum()) != n:
@@ -470,7 +438,8 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
 
 
 def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, has_ctts) -> None:
-    """Refuse edits under which FFmpeg would drop, discard or re-time some samples."""
+    """UnsupportedMp4 for an edit under which FFmpeg would drop, discard or re-time samples
+    (SPEC §6.5 rules 1–3)."""
     where = f"{m.path}: the edit list (media_time {start}, duration {length} media ticks)"
     outside = (presentation < start) | (presentation >= start + length)
     if np.any(outside):
@@ -492,7 +461,8 @@ def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, ha
 
 def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
                path: str) -> SampleIndex:
-    """The :class:`SampleIndex` of the first video track described by a complete moov box."""
+    """The :class:`SampleIndex` of the first video track described by a complete moov box
+    (SPEC §6.3–6.5)."""
     m = _Moov(moov_bytes, moov, path)
     if m.child(moov, "mvex", required=False) is not None:
         raise UnsupportedMp4(f"{path}: fragmented MP4 ('mvex' in 'moov' at offset"
@@ -530,7 +500,8 @@ def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
 
 
 def parse_index(read_range: ReadRange, file_size: int, path: str) -> SampleIndex:
-    """Index the first video track, reading only the top-level box headers, ftyp and moov."""
+    """The :class:`SampleIndex` of the file's first video track; reads only the top-level box
+    headers, ``ftyp`` and ``moov``."""
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     return parse_moov(moov_bytes, moov, file_size, ftyp, path)
 

@@ -1,33 +1,24 @@
-"""The exact-coverage plan of one DataLoader worker for one epoch, and how to resume it.
+"""The exact-coverage plan of one DataLoader worker for one epoch (SPEC §3.1–3.5).
 
-A :class:`Planner` is an iterator of *anchors* ``(episode, frame)``: every frame of every episode
-of the worker's share exactly once, then ``StopIteration``. It never waits and does no I/O; the
-stream layer follows it. Use::
+A :class:`Planner` is an iterator of *anchors* ``(episode, frame)`` over one worker's share. It
+keeps a bounded set of *resident* episodes (those whose bytes the I/O layer holds), emits the
+next anchor from them by ``strategy`` (``"pool"``: draws weighted by the frames left;
+``"round_robin"``: keyed rounds over the residents) and admits waiting episodes as residents
+drain. It never waits and does no I/O; the stream follows it. Use::
 
-    planner = Planner(share, frames, seed=s, epoch=e, rank=r, worker=w, pool_size=p,
-                      byte_sizes=sizes, byte_budget=b)
-    planner.skip(offset)                      # resume: fast-forward, no I/O
-    admitted, evicted = planner.drain_events()
-    for episode, frame in planner: ...        # planner.resident, planner.frontier(k) meanwhile
+    planner = Planner(share, frames, seed=s, epoch=e, rank=r, worker=w, strategy="pool",
+                      pool_size=p, byte_sizes=sizes, byte_budget=b)   # sizes and budget optional
+    planner.skip(offset)                        # resume: the state after `offset` anchors
+    for episode, frame in planner:
+        admitted, evicted = planner.drain_events()   # fetch the admitted, let the evicted go
+        planner.frontier(k)                          # the next k to admit: prefetch candidates
 
-The rules (normative text: ``spec/SPEC.md`` §3):
-
-* Episodes with zero frames are dropped. The rest wait in the *admission order*, the keyed
-  permutation of their ids with key ``(seed, epoch, "admit")``.
-* Admission: while fewer than ``pool_size`` episodes are resident, admit the first waiting episode
-  whose byte size fits in what the budget has left (skipped episodes keep their place); stop when
-  none fits. An episode larger than the whole budget is :class:`EpisodeTooLarge` at construction.
-* Emission, ``pool``: draw number ``n`` (0, 1, … over the epoch) picks
-  ``t = below(R, (seed, epoch, "draw", rank, worker), n)`` where ``R`` is the number of frames
-  the residents have left; walking residents in admission order, the one where ``t`` falls among
-  its left frames is chosen — an episode is chosen with probability proportional to its left
-  frames. ``round_robin``: round ``k`` visits the episodes resident at its start, in the keyed
-  permutation ``(seed, epoch, "round", rank, worker, k)``, one frame each; episodes admitted during
-  a round join the next.
-* An episode's frames come in the keyed permutation ``(seed, epoch, "frames", episode)`` of
-  ``0 … frames−1``. An episode is evicted right after its last frame, then admission runs.
-
-Resuming (which worker skips how many anchors) is :mod:`refstream.resume`.
+Invariants: every frame of every episode of the share is emitted exactly once, then
+``StopIteration``; the order is a pure function of the arguments and the keys of SPEC §1.2, so
+another implementation reproduces it anchor for anchor; at every step ``len(resident) ≤
+pool_size`` and the residents' byte sizes sum to at most ``byte_budget``. An episode larger than
+the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at construction, before anything
+is fetched. Where a resumed worker starts is :mod:`refstream.resume`'s business.
 """
 
 from __future__ import annotations
@@ -57,7 +48,10 @@ _DRAW_BLOCK = 4096
 
 
 class Planner:
-    """One worker's exact-coverage plan for one epoch; an iterator of ``(episode, frame)``."""
+    """One worker's exact-coverage plan for one epoch; an iterator of ``(episode, frame)``.
+
+    Arguments are SPEC §3.1's (UsageError when they break it); ``seed=None`` is the default seed.
+    """
 
     def __init__(
         self,
@@ -104,7 +98,7 @@ class Planner:
 
     @property
     def resident(self) -> list[int]:
-        """Admitted episodes not yet drained, in admission order."""
+        """Admitted episodes not yet drained, in admission order (SPEC §3.4)."""
         return list(self._left)
 
     @property
@@ -113,11 +107,12 @@ class Planner:
         return self._total - self._emitted
 
     def frontier(self, k: int) -> list[int]:
-        """The next ``k`` waiting episodes in admission order; admits nothing."""
+        """The next ``k`` waiting episodes in admission order; admits nothing (SPEC §3.4)."""
         return list(islice(self._pending, max(0, k)))
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        """``(admitted, evicted)`` episodes since the last call, each in event order."""
+        """``(admitted, evicted)`` episodes since the last call, each in event order (SPEC
+        §3.4)."""
         events = (self._admitted_events, self._evicted_events)
         self._admitted_events, self._evicted_events = [], []
         return events
@@ -141,8 +136,8 @@ class Planner:
         return episode, frame
 
     def skip(self, n: int) -> None:
-        """Fast-forward ``n`` anchors exactly as ``n`` calls of ``next`` would, without
-        computing their frames; events are recorded as usual."""
+        """Advance ``n`` anchors exactly as ``n`` calls of ``next`` would (events included),
+        without computing their frames; UsageError past the end of the epoch."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         choose, take = self._choose, self._take
@@ -150,6 +145,7 @@ class Planner:
             take(choose())
 
     def _choose(self) -> int:
+        """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
             draw = self._emitted - self._draw_words_start
             if not 0 <= draw < len(self._draw_words):
@@ -173,6 +169,7 @@ class Planner:
         return self._round[self._round_pos - 1]
 
     def _take(self, episode: int) -> None:
+        """Count one anchor of ``episode``; after its last one, evict it and admit."""
         self._emitted += 1
         self._pool_frames_left -= 1
         left = self._left[episode] - 1
@@ -187,6 +184,7 @@ class Planner:
         self._admit()
 
     def _admit(self) -> None:
+        """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
         pending, sizes = self._pending, self._sizes
         while len(self._left) < self._pool_size and pending:
             if sizes is None:
@@ -216,6 +214,7 @@ def _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size) ->
 
 
 def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int] | None:
+    """Each episode's byte size, None without a budget; EpisodeTooLarge per SPEC §3.1."""
     if byte_sizes is None and byte_budget is None:
         return None
     if byte_sizes is None or byte_budget is None:

@@ -1,27 +1,21 @@
-"""The portable, counter-based random numbers every refstream order is made of.
+"""The portable, counter-based random numbers every refstream order is made of (SPEC §1).
 
-The order of a stream must be reproducible in any language, so refstream does not use numpy's
-generators. Everything random is a pure function of a *key* and an *index*, built on SplitMix64
-(Steele, Lea & Flood 2014; the generator of Java's ``SplittableRandom``):
+Every random choice (admission order, frame order, pool draws, round-robin rounds) is a pure
+function of a *key* and an *index*, built on SplitMix64 (Steele, Lea & Flood 2014; the generator
+of Java's ``SplittableRandom``), so an implementation in any language reproduces the same
+stream; numpy's generators are never used. Use::
 
-``mix64(z)``
-    The SplitMix64 finaliser, a bijection of 64-bit words.
-``derive_key(seed, *labels)``
-    Folds labels (integers and strings) into a seed, one 64-bit word at a time, with ``mix64``;
-    ``extend_key(key, *labels)`` folds more labels into a derived key.
-    The planner's keys are ``(seed, epoch, "admit")``, ``(seed, epoch, "frames", episode)``,
-    ``(seed, epoch, "draw", rank, worker)`` and ``(seed, epoch, "round", rank, worker, round)``.
-``u64(key, i)``
-    The ``i``-th word of the key's stream: ``mix64(key + (i + 1)·GOLDEN_GAMMA mod 2⁶⁴)``.
-``below(n, key, i)``
-    A number in ``[0, n)``: ``(u64(key, i) · n) >> 64`` (Lemire's multiply-shift, no rejection).
-``permutation(key, ids)``
-    The ids sorted by ``(u64(key, id), id)``; an id's place depends only on the key and the id.
-    ``permutation_list`` is the same in plain integers, for short lists.
+    seed = resolve_seed(user_seed)                  # DEFAULT_SEED when the user gives None
+    key = derive_key(seed, epoch, "admit")          # labels are ints and strs
+    key_e = extend_key(key, e)                      # == derive_key(seed, epoch, "admit", e)
+    u64(key, i), below(n, key, i)                   # word i of the key's stream; a number < n
+    permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
-``u64_array`` and ``permutation`` are vectorised with numpy ``uint64`` arithmetic (which wraps
-modulo 2⁶⁴ like the definition); ``u64`` and ``below`` are the plain-integer forms. The exact
-label encoding is in ``spec/SPEC.md`` §1.
+Invariants: every function is pure; an id's place in a permutation depends only on the key and
+the set of ids, never on the order they were given in; the numpy forms (``u64_array``,
+``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴ like the definition, and equal the
+plain-integer forms (``u64``, ``permutation_list``). The keys the planner derives are SPEC §1.2's
+table. A seed, label or id outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ TAG_STR = 2
 
 
 def mix64(z: int) -> int:
-    """SplitMix64's finaliser of the 64-bit word ``z`` (taken modulo 2⁶⁴)."""
+    """SplitMix64's finaliser of ``z`` modulo 2⁶⁴ (SPEC §1.1)."""
     z &= MASK64
     z = ((z ^ (z >> 30)) * _MIX_MUL_1) & MASK64
     z = ((z ^ (z >> 27)) * _MIX_MUL_2) & MASK64
@@ -69,8 +63,8 @@ def mix64(z: int) -> int:
 
 
 def label_words(label: int | str) -> list[int]:
-    """A label's 64-bit words: ``[1, v mod 2⁶⁴]`` for an integer, ``[2, byte length, packed
-    UTF-8 bytes…]`` for a string (8 bytes per word, little-endian, the last word zero-padded)."""
+    """A label's 64-bit words (SPEC §1.2); UsageError for anything but an int in
+    ``[−2⁶³, 2⁶⁴)`` or a str."""
     if isinstance(label, bool) or not isinstance(label, int | str):
         raise UsageError(f"an RNG label is an int or a str, not {type(label).__name__}")
     if isinstance(label, int):
@@ -85,14 +79,13 @@ def label_words(label: int | str) -> list[int]:
 
 
 def resolve_seed(seed: int | None) -> int:
-    """``seed``, or :data:`DEFAULT_SEED` when it is None; UsageError unless an integer in
-    ``[0, 2⁶⁴)``."""
+    """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2); UsageError unless an
+    integer in ``[0, 2⁶⁴)``."""
     return DEFAULT_SEED if seed is None else _checked_seed(seed)
 
 
 def derive_key(seed: int, *labels: int | str) -> int:
-    """The key of ``labels`` under ``seed``: start at the seed and, for every word of every
-    label in turn, ``key = mix64((key XOR word) + GOLDEN_GAMMA mod 2⁶⁴)``."""
+    """The key of ``labels`` under ``seed`` (SPEC §1.2); UsageError for a bad seed or label."""
     return extend_key(_checked_seed(seed), *labels)
 
 
@@ -111,7 +104,7 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 
 def u64(key: int, i: int) -> int:
-    """Word ``i`` (``i ≥ 0``) of the stream of ``key``."""
+    """Word ``i`` (``i ≥ 0``) of the stream of ``key`` (SPEC §1.3)."""
     return mix64((key + (i + 1) * GOLDEN_GAMMA) & MASK64)
 
 
@@ -125,12 +118,14 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 
 def below(n: int, key: int, i: int) -> int:
-    """A number in ``[0, n)`` from word ``i`` of ``key``: ``(u64(key, i) · n) >> 64``."""
+    """A number in ``[0, n)`` from word ``i`` of ``key``: Lemire's multiply-shift without
+    rejection (SPEC §1.3)."""
     return (u64(key, i) * n) >> 64
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``ids`` (distinct, non-negative) sorted by ``(u64(key, id), id)``, as ``int64``."""
+    """``ids`` (distinct, non-negative) in the keyed order of SPEC §1.3, as ``int64``;
+    UsageError for a negative id."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size and ids.min() < 0:
         raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")

@@ -1,20 +1,20 @@
-"""Whole-episode sharding of a selection over ranks, and of a rank's share over its workers.
+"""Whole-episode sharding: a selection over ranks, then a rank's share over its workers (SPEC §2).
 
-``lpt_partition(ids, frames, parts)``
-    Longest-processing-time first: episodes in order of (−frames, id), each to the part with the
-    least frames so far, ties to the lowest part index. Episodes with zero frames have nothing to
-    emit and take part in no partition. The frame totals of any two parts differ by at most the
-    longest episode.
-``rank_share(ids, frames, rank, world_size)``
-    The episodes of one rank: part ``rank`` of the LPT partition over ``world_size`` parts.
-``worker_shares(ids, frames, num_workers)``
-    A rank's episodes split over its DataLoader workers by the same rule.
-``split_limits(num_workers, pool_size=…, byte_budget=…, decoder_cache=…, cameras=…)``
-    The per-worker pool size, byte budget and decoder cache from the per-rank settings.
+Use::
 
-Every part is listed in sharding order (longest episode first); planners re-order episodes with
-their own keys, so this order carries no meaning. A rank or worker left without episodes is a
-:class:`~refstream.errors.ShardingError` that names the numbers and what to use instead.
+    share = rank_share(ids, frames, rank, world_size)           # this rank's episodes
+    parts = worker_shares(share, share_frames, num_workers)     # part w: logical worker w's
+    limits = split_limits(num_workers, pool_size=…, byte_budget=…, decoder_cache=…, cameras=…)
+
+Both shares are parts of :func:`lpt_partition`, longest processing time first (SPEC §2.1);
+:func:`split_limits` turns the per-rank settings into one worker's :class:`WorkerLimits` (SPEC
+§2.3). :func:`episode_ids` and :func:`check_episodes` are the one check of episode ids (and their
+frame counts) that selection, sharding and the planner all call.
+
+Invariants: every episode with frames lies in exactly one part, a zero-frame episode in none; the
+frame totals of two parts differ by at most the longest episode; a part lists its episodes in
+sharding order, which carries no meaning (planners reorder them by key). A rank or worker left
+without episodes is :class:`~refstream.errors.ShardingError` saying what to use instead (§2.2).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class WorkerLimits:
 
 
 def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> list[int]:
-    """``ids`` as a list of ints; raises ``error`` naming the non-integers, else the duplicates,
-    else the negative ids."""
+    """``ids`` as a list of ints (SPEC §2.1, §3.1, §4.5); ``error`` names the non-integers, else
+    the duplicates, else the negative ids."""
     ids = list(ids)
     bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, Integral)]
     if bad:
@@ -80,7 +80,8 @@ def check_episodes(ids: Sequence[object], frames: Sequence[int]) -> list[int]:
 
 
 def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list[list[int]]:
-    """Split episodes into ``parts`` lists by LPT; zero-frame episodes are left out."""
+    """``parts`` lists of episode ids, the LPT partition of SPEC §2.1; UsageError for bad
+    arguments."""
     if parts < 1:
         raise UsageError(f"cannot partition into {parts} parts")
     ids = check_episodes(ids, frames)
@@ -95,7 +96,8 @@ def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list
 
 
 def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size: int) -> list[int]:
-    """The episodes rank ``rank`` of ``world_size`` streams; it must own at least one."""
+    """The episodes rank ``rank`` of ``world_size`` streams (SPEC §2.2); ShardingError when it
+    would own none."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is not in a world of size {world_size}")
     share = lpt_partition(ids, frames, world_size)[rank]
@@ -109,7 +111,8 @@ def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size:
 
 
 def worker_shares(ids: Sequence[int], frames: Sequence[int], num_workers: int) -> list[list[int]]:
-    """A rank's episodes split over ``num_workers`` DataLoader workers, each owning at least one."""
+    """A rank's episodes split over ``num_workers`` DataLoader workers (SPEC §2.2);
+    ShardingError when one would own none."""
     if num_workers < 1:
         raise UsageError(f"num_workers must be at least 1 for sharding, got {num_workers}")
     shares = lpt_partition(ids, frames, num_workers)
@@ -131,16 +134,14 @@ def split_limits(
     decoder_cache: int | None,
     cameras: int,
 ) -> WorkerLimits:
-    """Per-worker limits. ``pool_size`` is per worker when given, else the per-rank default 32
-    split as ``max(1, round(32 / N))``; ``byte_budget`` and ``decoder_cache`` are per rank and
-    each worker gets ``⌊· / N⌋``; the decoder cache defaults to ``pool × cameras`` (at least 1)."""
+    """One worker's limits from the per-rank settings (SPEC §2.3; ``pool_size`` alone is
+    already per worker); UsageError for settings that cannot be split."""
     if num_workers < 1:
         raise UsageError(f"num_workers must be at least 1, got {num_workers}")
     if cameras < 0:
         raise UsageError(f"cameras must be non-negative, got {cameras}")
     if pool_size is None:
-        # round(32 / N) in integers: ⌊(2·32 + N) / 2N⌋ (halves round up; 32/N = k + ½ only at
-        # N = 64, where max(1, ·) gives 1 either way).
+        # round(32 / N) in integers, halves up (SPEC §2.3 says why that equals LeRobot's).
         pool = max(1, (2 * DEFAULT_RANK_POOL_SIZE + num_workers) // (2 * num_workers))
     elif pool_size < 1:
         raise UsageError(f"pool_size must be at least 1, got {pool_size}")

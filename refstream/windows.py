@@ -1,23 +1,18 @@
-"""Temporal windows: ``delta_timestamps`` → row offsets, clamped rows and ``{key}_is_pad`` masks.
+"""Temporal windows: ``delta_timestamps`` → row offsets → per-anchor rows and pad masks (SPEC §5).
 
-Usage::
+Use::
 
     windows = make_windows({"action": [0, 1 / 30, 2 / 30]}, fps=30, tolerance_s=1e-4,
-                           feature_keys=meta.features)
+                           feature_keys=meta.features)          # once, when the dataset opens
     rows, is_pad = window_rows(windows.offsets["action"], frame=28, length=30)
     # rows == [28, 29, 29], is_pad == [False, False, True]
 
-This is LeRobot's map-style rule restated on episode-local rows (the normative text is
-``spec/SPEC.md`` §5):
-
-* every delta ``d`` (seconds) must satisfy ``|d·fps − round(d·fps)| / fps ≤ tolerance_s``,
-  computed in IEEE-754 double precision, else :class:`UsageError` naming the key and the value;
-* its row offset is ``round(d·fps)``, rounding halves to even (Python's ``round``);
-* for an anchor ``frame`` of an episode of ``length`` rows, the window's rows are
-  ``clamp(frame + offset, 0, length − 1)`` (the boundary row repeats) and
-  ``is_pad = frame + offset < 0 or frame + offset ≥ length``.
-
-The module is I/O-free and imports only the stdlib and numpy.
+:func:`make_windows` validates every delta and turns it into a row offset (SPEC §5.1);
+:func:`window_rows` places the offsets around one anchor of an episode, repeating the boundary
+row and marking it as padding (SPEC §5.2). Rows are episode-local, which equals LeRobot's
+map-style rule on absolute indices because episodes are read whole. A bad ``delta_timestamps`` is
+:class:`~refstream.errors.UsageError` naming the key and the value, raised before any anchor is
+looked at. I/O-free; only the standard library and numpy.
 """
 
 from __future__ import annotations
@@ -35,11 +30,8 @@ __all__ = ["Windows", "make_windows", "window_rows"]
 
 @dataclass(frozen=True, eq=False)
 class Windows:
-    """Row offsets of every windowed key (int64 rows relative to the anchor, in the given order).
-
-    A key without a window is absent; its sample holds the anchor row only and has no
-    ``{key}_is_pad`` entry.
-    """
+    """Each windowed key's row offsets from the anchor (int64, in the order given); a key
+    without a window is absent."""
 
     offsets: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -51,11 +43,8 @@ def make_windows(
     *,
     feature_keys: Collection[str] | None = None,
 ) -> Windows:
-    """Validate ``delta_timestamps`` (seconds per key) and convert them to row offsets.
-
-    ``feature_keys``, when given, are the dataset's features; a key outside them is a UsageError.
-    ``None`` gives no windows.
-    """
+    """The row offsets of ``delta_timestamps`` (seconds per key; None: no windows), after the
+    checks of SPEC §5.1 (UsageError); ``feature_keys``, when given, are the keys allowed."""
     if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
         raise UsageError(f"fps must be a positive integer, got {fps!r}")
     if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
@@ -81,7 +70,8 @@ def make_windows(
 
 
 def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Episode-local rows (int64, clamped into ``[0, length)``) and the pad mask (bool)."""
+    """Episode-local rows (int64) and the pad mask (bool) of anchor ``frame`` of an episode of
+    ``length`` frames (SPEC §5.2); UsageError for an anchor outside the episode."""
     if not 0 <= frame < length:
         raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
     target = frame + np.asarray(offsets, dtype=np.int64)
@@ -89,7 +79,7 @@ def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarra
 
 
 def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
-    """round(delta_s·fps) after LeRobot's check_delta_timestamps tolerance test."""
+    """The row offset of one delta after its tolerance test (SPEC §5.1 items 4–5)."""
     if isinstance(delta_s, bool) or not _is_number(delta_s):
         raise UsageError(f"delta_timestamps[{key!r}] holds {delta_s!r}, not a finite number")
     ticks = float(delta_s) * fps  # IEEE double product, as LeRobot computes it
