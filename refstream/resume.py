@@ -18,8 +18,10 @@ epoch ``start.epochs[w]`` of share ``w``, skips ``start.offsets[w]`` anchors
 (:meth:`~refstream.planner.Planner.skip`) and stops after ``start.stops[w]``.
 :func:`batches_per_worker` is the replay underneath: the DataLoader's in-order round robin over
 workers whose streams end. Invariants: ``from_dict(to_dict())`` gives the state back; resuming
-yields exactly the batches the uninterrupted run would have yielded next; a checkpoint of another
-setup (seed, strategy, limits, topology or selection) is refused, never reinterpreted.
+yields exactly the batches the uninterrupted run would have yielded next; what the rank delivered
+before a checkpoint is a function of the checkpoint alone (each logical worker's anchors before
+its position); a checkpoint of another setup (seed, strategy, limits, topology or selection) is
+refused, never reinterpreted.
 
 Implements SPEC §3.6 (replay, checkpoints, worker positions), §3.7 (the distributed end of an
 epoch) and the checkpoint fields of §9.4.
@@ -159,7 +161,7 @@ def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int)
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if not world_worker_frames:
         raise UsageError("epoch_batches needs at least one rank")
-    return min(sum(-(-f // batch_size) for f in rank) for rank in world_worker_frames)
+    return min(sum(_batches(f, batch_size) for f in rank) for rank in world_worker_frames)
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def resume_positions(
             stops=(None,) * len(worker_frames),
             rotation=rotation,
         )
-    limits: list[int | None] = [-(-f // batch_size) for f in worker_frames]
+    limits: list[int | None] = [_batches(f, batch_size) for f in worker_frames]
     per_epoch = sum(limits) if rank_batches is None else rank_batches
     if not 1 <= per_epoch <= sum(limits):
         raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits)}]")
@@ -224,3 +226,9 @@ def _check_whole_batches(samples: int, batch_size: int) -> None:
             f"a resume offset of {samples} samples is not a whole number of batches of "
             f"{batch_size}"
         )
+
+
+def _batches(frames: int, batch_size: int) -> int:
+    """The batches a worker fills from ``frames`` anchors: ⌈frames / batch_size⌉, the last one
+    possibly short."""
+    return -(-frames // batch_size)
