@@ -11,6 +11,12 @@ media payload (SPEC §6.2) — then :func:`parse_moov`, which reads the video tr
 :class:`SampleIndex` (SPEC §6.3–6.5). :func:`walk_boxes`, :func:`box_header` and
 :func:`edit_list` serve reports that show a file's boxes.
 
+Boxes read, and what each gives (SPEC §6.3 says how): ``ftyp`` (kept whole); ``moov/mvhd`` (the
+movie timescale); in the first ``trak`` with a ``vide`` handler, ``tkhd`` (track id), ``mdhd``
+(media timescale), ``stsd`` (codec, width, height; kept verbatim), ``stts`` and ``ctts``
+(timestamps), ``stss`` (keyframes), ``stsz`` or ``stz2`` with ``stsc`` and ``stco`` or ``co64``
+(sizes and file offsets) and ``edts/elst`` (the edit, §6.5). ``moof`` or ``mvex``: fragmented.
+
 Invariants: ``dts`` and ``pts`` equal, sample for sample, the packet timestamps of FFmpeg's mov
 demuxer (PyAV, ``ffprobe``); a file on which FFmpeg would drop, discard or re-time samples is
 refused rather than indexed differently. Memory is bounded by the box sizes: an entry count is
