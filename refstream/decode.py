@@ -1,46 +1,30 @@
-"""Decode frames of an episode's mini-MP4, held in memory, at exact presentation times.
+"""PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time:
+SPEC §10.8, giving the camera values of SPEC §9.1.
 
-The only module that imports PyAV. Two pieces:
+Use::
 
-``EpisodeDecoder(mp4_bytes, label)``
-    One open PyAV container over the bytes of a synthesized episode video (or any MP4 held in
-    memory). ``frames_at(local_times_s, tolerance_s, dtype)`` returns the frames presented at the
-    requested times, which are *local* seconds: the episode video's presentation timeline, on which
-    the span's first presented frame is at 0 (``synth`` writes an edit list that puts it there, and
-    FFmpeg reports timestamps after the edit list). Requests may repeat and come in any order.
-    ``decoded_frames`` counts the frames the decoder has produced (decode amplification).
+    with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
+        frames = decoder.frames_at(times_s, tolerance_s, np.float32)    # (T, 3, H, W)
 
-``DecoderCache(capacity)``
-    A bounded LRU of open decoders keyed ``(episode, camera)``, safe to share between threads:
-    ``frames_at(key, mp4_bytes, local_times_s, tolerance_s, dtype)`` opens the key's decoder on
-    first use (``mp4_bytes`` may be a callable so the bytes are only produced when needed) and
-    decodes under that decoder's own lock; ``discard(key)`` closes one; ``close()`` closes all;
-    ``decoded_frames`` sums the frames decoded by every decoder it opened.
+    cache = DecoderCache(capacity)          # bounded LRU keyed (episode, camera), thread-safe
+    cache.frames_at((3, "top"), make_bytes, times_s, tolerance_s, np.uint8, start_pts)
+    cache.discard((3, "top")); cache.close()
 
-Output: arrays of shape ``(T, 3, H, W)`` (RGB, channels first, request order) — the layout
-LeRobot's map-style items use for cameras — of ``dtype`` ``uint8`` (the RGB values) or
-``float32`` (value / 255, rounded once as float32, as LeRobot's ``float32(frames) / 255``).
-The RGB values are FFmpeg's ``rgb24`` conversion of the decoded picture, the same as PyAV's
-``frame.to_ndarray(format="rgb24")``; each decoder keeps one single-threaded converter (building
-and freeing a converter per frame, with its thread pool, cost 4x the conversion itself).
+``times_s`` are seconds of the source file and ``start_pts`` is the source pts (ticks of the
+track's timescale) that the video's local time 0 stands for: a span's ``start_pts``, 0 for a whole
+file. So the frame serving a time is decided by :func:`refstream.synth.serving_samples` on the
+same numbers span selection used; :func:`select_frames` is that choice on its own (the nearest
+serving frame, ties to the earlier pts). Requests may repeat and come in any order; frames come
+in request order as ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's ``to_ndarray``) or ``float32``
+RGB / 255 (LeRobot's division). ``make_bytes`` may be the bytes or a callable producing them on
+the key's first use; ``decoded_frames`` counts the frames decoders produced.
 
-Selection rule (normative: spec §9.8; ``select_frames`` is step 2 alone), ``tb`` the time base:
-
-1. Decode every frame whose pts lies in ``[floor((min(t) − tol) / tb), ceil((max(t) + tol) / tb)]``:
-   seek backward to the keyframe at or before the window start, then decode forward in
-   presentation order until a frame lies past the window end. FFmpeg seeks by decode time, so with
-   B-frames (or the leading pictures of an open GOP) the first frame decoded after the seek can
-   lie past the window start; then seek further back — one frame duration, then doubling — and
-   once the target is at or before the stream's first presentation time, decode from the first
-   sample instead.
-2. For each request ``t`` choose the decoded frame minimising ``|pts·tb − t|``, compared exactly
-   (``select_frames``; ties: the earlier pts). If that distance exceeds ``tolerance_s``, raise
-   ``FrameNotFound`` naming the label (the episode and camera) and the time — never a nearest
-   guess beyond tolerance.
-
-Each call is served by one seek (a few more only in the B-frame case above) and one forward
-decode, converting to RGB only the frames chosen; decoding is not resumed across calls.
-PyAV errors become ``DecodeError`` with the PyAV exception as cause.
+Invariants: this is the only module that imports PyAV. A decoder uses one FFmpeg thread and one
+``rgb24`` converter; each call seeks once (a few more times when a seek lands past the window,
+as with B-frames) and decodes forward, converting only the chosen frames. A cached decoder is
+used by one thread at a time, and an evicted one is closed only after the decode in progress on
+it. PyAV errors become :class:`DecodeError` with the cause chained; a time no frame serves is
+:class:`FrameNotFound` naming the label (episode and camera) and the time.
 """
 
 from __future__ import annotations
@@ -51,21 +35,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
 from refstream.errors import DecodeError, FrameNotFound, UsageError
+from refstream.synth import serving_samples
 
-__all__ = [
-    "EpisodeDecoder",
-    "DecoderCache",
-    "default_decoder_capacity",
-    "select_frames",
-    "PIXEL_DTYPES",
-]
+__all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
 
 
 PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
@@ -74,18 +52,22 @@ PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 class EpisodeDecoder:
     """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
 
-    def __init__(self, mp4_bytes: bytes, label: str = "episode video") -> None:
+    def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0) -> None:
         self.label = label
+        self.start_pts = start_pts
         self._bytes = mp4_bytes
         self._container = self._open()
         self._converter = VideoReformatter()
         self.decoded_frames = 0
         stream = self._container.streams.video[0]
-        self.time_base: Fraction = stream.time_base
+        self.time_base = stream.time_base  # PyAV's Fraction: 1 / the track's timescale
+        if self.time_base.numerator != 1:
+            raise DecodeError(f"{self.label}: time base {self.time_base} is not 1/timescale")
+        self.timescale: int = self.time_base.denominator
         self.width: int = stream.codec_context.width
         self.height: int = stream.codec_context.height
         rate = stream.average_rate  # frames per second, None if unknown
-        self._frame_ticks = max(1, round(1 / (rate * self.time_base))) if rate else 1
+        self._frame_ticks = max(1, round(self.timescale / float(rate))) if rate else 1
 
     def _open(self):
         try:
@@ -98,7 +80,7 @@ class EpisodeDecoder:
         # One decoding thread: a request decodes a handful of frames, the loader's parallelism
         # is its workers and decode threads, and FFmpeg's own threads cost their start-up on
         # every open and contend for the same cores (single-threaded dav1d was ~1.7x faster
-        # per frame at 320x240 on the 2-core bench machine).
+        # per frame at 320x240).
         container.streams.video[0].thread_count = 1
         return container
 
@@ -112,32 +94,35 @@ class EpisodeDecoder:
         self.close()
 
     def frames_at(
-        self, local_times_s: Sequence[float] | np.ndarray, tolerance_s: float,
+        self, times_s: Sequence[float] | np.ndarray, tolerance_s: float,
         dtype: np.dtype | type = np.uint8,
     ) -> np.ndarray:
-        """``(T, 3, H, W)`` frames presented at ``local_times_s`` (seconds, request order), as
+        """``(T, 3, H, W)`` frames serving ``times_s`` (source seconds, request order), as
         ``uint8`` RGB or ``float32`` RGB / 255 (module docstring)."""
-        times_s = np.asarray(local_times_s, dtype=np.float64).reshape(-1)
+        times_s = np.asarray(times_s, dtype=np.float64).reshape(-1)
         if not (tolerance_s >= 0 and np.all(np.isfinite(times_s))):
             raise UsageError(f"{self.label}: times must be finite and tolerance_s >= 0")
         if np.dtype(dtype) not in PIXEL_DTYPES:
             raise UsageError(f"{self.label}: frames come as uint8 or float32, not {dtype}")
         if times_s.size == 0:
             return np.empty((0, 3, self.height, self.width), dtype)
-        # Exact rational arithmetic, so the window never loses a frame to rounding.
-        tolerance = Fraction(tolerance_s)
-        lo_ticks = math.floor((Fraction(float(times_s.min())) - tolerance) / self.time_base)
-        hi_ticks = math.ceil((Fraction(float(times_s.max())) + tolerance) / self.time_base)
-        # Where frames are more than 2·tolerance apart, at most one frame lies within tolerance
-        # of a time, so a frame before the last one at or before min(t) + tol, or after the first
-        # one at or after max(t) - tol, can never be chosen: decode only from the one to the
-        # other. (Otherwise the whole window, which is always exact.)
-        slack = tolerance if self._frame_ticks * self.time_base > 2 * tolerance else -tolerance
-        start_ticks = math.floor((Fraction(float(times_s.min())) + slack) / self.time_base)
-        stop_ticks = math.ceil((Fraction(float(times_s.max())) - slack) / self.time_base)
+        # Source ticks one tick past the tolerance: more than any rounding of the seconds, so
+        # every frame that can serve a time is decoded; serving_samples decides which do.
+        reach = tolerance_s * self.timescale + 1
+        first_t, last_t = times_s.min() * self.timescale, times_s.max() * self.timescale
+        lo_ticks = math.floor(first_t - reach) - self.start_pts
+        hi_ticks = math.ceil(last_t + reach) - self.start_pts
+        # Where frames are more than 2·reach apart, at most one frame can serve a time, so a
+        # frame before the last one at or before first_t + reach, or after the first one at or
+        # after last_t - reach, is never chosen: decode only from the one to the other.
+        # (Otherwise the whole window.)
+        inner = reach if self._frame_ticks > 2 * reach else -reach
+        start_ticks = math.floor(first_t + inner) - self.start_pts
+        stop_ticks = math.ceil(last_t - inner) - self.start_pts
         decoded = self._decode_window(lo_ticks, hi_ticks, start_ticks, stop_ticks)
         pts_ticks = np.array(sorted(decoded), dtype=np.int64)
-        chosen = select_frames(pts_ticks, self.time_base, times_s, tolerance_s, self.label)
+        chosen = select_frames(pts_ticks + self.start_pts, self.timescale, times_s, tolerance_s,
+                               self.label)
         # Only the chosen frames are converted to RGB, each once however often it is requested,
         # straight into the output (the assignment casts to float32 where asked).
         out = np.empty((times_s.size, 3, self.height, self.width), dtype)
@@ -212,42 +197,24 @@ class EpisodeDecoder:
         return frames, first_pts
 
 
-def select_frames(
-    pts_ticks: np.ndarray,
-    time_base: Fraction,
-    times_s: np.ndarray,
-    tolerance_s: float,
-    label: str = "video",
-) -> np.ndarray:
-    """Position in ``pts_ticks`` (sorted, distinct, int64) of the frame serving each request.
-
-    The frame minimising ``|pts·time_base − t|``, compared exactly (rationals of the float64
-    inputs), ties to the earlier pts; ``FrameNotFound`` if that distance exceeds ``tolerance_s``.
-    """
-    tolerance = Fraction(tolerance_s)
-    # float64 seconds only narrow the search: rounding is far smaller than a frame interval.
-    pts_s = pts_ticks * (time_base.numerator / time_base.denominator)
-    chosen = np.empty(len(times_s), dtype=np.int64)
-    for i, t in enumerate(np.asarray(times_s, dtype=np.float64)):
-        at = int(np.searchsorted(pts_s, t))
-        near = range(max(0, at - 2), min(len(pts_ticks), at + 2))
-        exact_t = Fraction(float(t))
-        distances = [(abs(int(pts_ticks[j]) * time_base - exact_t), j) for j in near]
-        if not distances:
-            raise FrameNotFound(f"{label}: no frame decoded near local time {t!r} s")
-        distance, best = min(distances)  # ties: the smaller position, i.e. the earlier pts
-        if distance > tolerance:
-            raise FrameNotFound(
-                f"{label}: no frame within tolerance {tolerance_s} s of local time {t!r} s "
-                f"(nearest frame at {float(int(pts_ticks[best]) * time_base)!r} s)"
-            )
-        chosen[i] = best
-    return chosen
-
-
-def default_decoder_capacity(pool_size: int, cameras: int) -> int:
-    """One open decoder per camera of every episode in the pool."""
-    return max(1, pool_size * cameras)
+def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
+                  tolerance_s: float, label: str = "video") -> np.ndarray:
+    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each request: of the
+    frames :func:`refstream.synth.serving_samples` finds, the nearest, ties to the earlier pts;
+    ``FrameNotFound`` when none serves (SPEC §10.8)."""
+    pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
+    matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
+    unserved = matches.unserved(len(times_s))
+    if len(unserved):
+        t = float(times_s[unserved[0]])
+        pts_s = pts_ticks.astype(np.float64) / timescale
+        nearest = (f"nearest frame at {float(pts_s[np.argmin(np.abs(pts_s - t))])!r} s"
+                   if len(pts_s) else "no frame decoded")
+        raise FrameNotFound(f"{label}: no frame within tolerance {tolerance_s} s of time "
+                            f"{t!r} s ({nearest})")
+    order = np.lexsort((pts_ticks[matches.sample], matches.distance_s, matches.request))
+    best = order[np.flatnonzero(np.diff(matches.request[order], prepend=-1))]
+    return matches.sample[best]
 
 
 @dataclass(eq=False)
@@ -282,20 +249,16 @@ class DecoderCache:
         with self._lock:
             return len(self._entries)
 
-    def keys(self) -> list:
-        """Keys from least to most recently used."""
-        with self._lock:
-            return list(self._entries)
-
     def frames_at(
         self,
         key: tuple[int, str],
         mp4_bytes: bytes | Callable[[], bytes],
-        local_times_s: Sequence[float] | np.ndarray,
+        times_s: Sequence[float] | np.ndarray,
         tolerance_s: float,
         dtype: np.dtype | type = np.uint8,
+        start_pts: int = 0,
     ) -> np.ndarray:
-        """Frames of ``key``'s video at ``local_times_s`` (see ``EpisodeDecoder.frames_at``)."""
+        """Frames of ``key``'s video serving ``times_s`` (see ``EpisodeDecoder``)."""
         episode, camera = key
         while True:
             entry = self._checkout(key)
@@ -304,10 +267,11 @@ class DecoderCache:
                     continue  # evicted between lookup and lock: take the fresh entry
                 if entry.decoder is None:
                     data = mp4_bytes() if callable(mp4_bytes) else mp4_bytes
-                    entry.decoder = EpisodeDecoder(data, f"episode {episode} camera {camera}")
+                    entry.decoder = EpisodeDecoder(data, f"episode {episode} camera {camera}",
+                                                   start_pts)
                 before = entry.decoder.decoded_frames
                 try:
-                    return entry.decoder.frames_at(local_times_s, tolerance_s, dtype)
+                    return entry.decoder.frames_at(times_s, tolerance_s, dtype)
                 finally:
                     with self._lock:
                         self.decoded_frames += entry.decoder.decoded_frames - before

@@ -94,6 +94,7 @@ from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
+from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES, Planner
 from refstream.resume import (
     ResumeSetup,
@@ -130,7 +131,7 @@ class _Video:
     """One camera's synthesized episode video."""
 
     mp4: bytes
-    start_s: float  # source-file seconds of the mini-MP4's local time 0 (span start pts)
+    start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,7 @@ class _WorkerStream:
         self.byte_sizes: dict[int, int] | None = None
         self.payloads: dict[int, Future[_Episode]] = {}
         try:
-            self.spans: dict[tuple[int, str], tuple[synth.Span, object]] = {}
+            self.spans: dict[int, dict[str, tuple[SampleIndex, synth.Span]]] = {}
             if self.cameras:
                 self._plan_spans(share)
                 self.budget = ByteBudget(limits.byte_budget)
@@ -395,32 +396,19 @@ class _WorkerStream:
             raise
 
     def _plan_spans(self, share: list[int]) -> None:
-        """Each (episode, camera) span of the share, and each episode's exact byte size."""
-        index = map_index(self.ds.index_path)
+        """Each (episode, camera) span of the share at the nominal times, and each episode's
+        exact byte size (SPEC §9.2)."""
+        self.index = index = map_index(self.ds.index_path)
         # A payload read later must come from the file as it was indexed (else PayloadChanged).
         for entry in index.manifest["files"]:
             if entry["fingerprint"]:
                 self.source.expect_identity(entry["relpath"], entry["fingerprint"])
         self.byte_sizes = {}
         for episode in share:
-            row = self.meta.row(episode)
-            # LeRobot's recorder writes timestamp = float32(frame_index / fps): the nominal
-            # request times, known before any row is read (checked against the rows later).
-            nominal_s = (np.arange(self.ds._frames_of[episode]) / self.meta.fps).astype(
-                np.float32).astype(np.float64)
-            total = 0
-            for camera in self.cameras:
-                sample_index = index[self.meta.video_relpath(episode, camera)]
-                span = synth.select_span(sample_index, *self._bounds_s(camera, row),
-                                         self.ds.tolerance_s,
-                                         self.meta.video_from_s[camera][row] + nominal_s)
-                self.spans[episode, camera] = (span, sample_index)
-                total += synth.synthesized_size(sample_index, span)
-            self.byte_sizes[episode] = total
-
-    def _bounds_s(self, camera: str, row: int) -> tuple[float, float]:
-        """The episode's [from, to) seconds in its video file of ``camera``."""
-        return float(self.meta.video_from_s[camera][row]), float(self.meta.video_to_s[camera][row])
+            spans = synth.episode_spans(self.meta, episode, index, self.ds.tolerance_s)
+            self.spans[episode] = spans
+            self.byte_sizes[episode] = sum(synth.synthesized_size(sample_index, span)
+                                           for sample_index, span in spans.values())
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -546,17 +534,8 @@ class _WorkerStream:
                                       self.ds._frames_of[episode], self.columns, self.footers)
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
-            videos = {}
-            for camera in self.cameras:
-                span, sample_index = self.spans[episode, camera]
-                self._check_span(episode, camera, span, sample_index, rows["timestamp"])
-                payload = self.source.read_range(self.meta.video_relpath(episode, camera),
-                                                 span.byte_offset, span.byte_length)
-                mp4 = synth.synthesize(sample_index, span, payload)
-                if self.budget is not None:
-                    self.budget.mark_resident(episode, len(mp4))
-                videos[camera] = _Video(mp4, span.start_pts / sample_index.timescale)
-            return _Episode(rows, videos)
+            return _Episode(rows, self._videos(episode, rows["timestamp"]) if self.cameras
+                            else {})
         except FetchError as exc:
             # The source names the URL and byte range; only here is the episode known.
             raise type(exc)(f"episode {episode}: {exc}") from exc
@@ -564,21 +543,27 @@ class _WorkerStream:
             if self.budget is not None:
                 self.budget.mark_fetched(episode)
 
-    def _check_span(self, episode: int, camera: str, span: synth.Span, sample_index,
-                    timestamps: np.ndarray) -> None:
-        """The exact request times (``from`` + the timestamp column) must need no sample
-        outside the span sized from the nominal times (else the budget would be wrong)."""
-        row = self.meta.row(episode)
-        from_s, to_s = self._bounds_s(camera, row)
-        exact = synth.select_span(sample_index, from_s, to_s, self.ds.tolerance_s,
-                                  from_s + timestamps.astype(np.float64))
-        if exact.sample_lo < span.sample_lo or exact.sample_hi > span.sample_hi:
-            raise TableError(
-                f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
-                f"samples {exact.sample_lo}..{exact.sample_hi} of {sample_index.path}, outside "
-                f"samples {span.sample_lo}..{span.sample_hi} planned from timestamps "
-                f"frame_index / fps ({camera})"
-            )
+    def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
+        """Each camera's mini-MP4. The exact request times (the timestamp column) must need no
+        sample outside the span sized from the nominal times, else the budget would be wrong."""
+        exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
+                                    timestamps)
+        videos = {}
+        for camera, (sample_index, span) in self.spans[episode].items():
+            needed = exact[camera][1]
+            if not span.covers(needed):
+                raise TableError(
+                    f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
+                    f"samples {needed.sample_lo}..{needed.sample_hi} of {sample_index.path}, "
+                    f"outside samples {span.sample_lo}..{span.sample_hi} planned from "
+                    f"timestamps frame_index / fps ({camera})")
+            payload = self.source.read_range(self.meta.video_relpath(episode, camera),
+                                             span.byte_offset, span.byte_length)
+            mp4 = synth.synthesize(sample_index, span, payload)
+            if self.budget is not None:
+                self.budget.mark_resident(episode, len(mp4))
+            videos[camera] = _Video(mp4, span.start_pts)
+        return videos
 
     # --- decode threads -----------------------------------------------------------------------
 
@@ -605,13 +590,12 @@ class _WorkerStream:
             else:
                 rows, is_pad = window_rows(offsets, frame, length)
                 item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
-            # LeRobot's query times: the timestamp column at the rows, shifted into the file.
-            query_s = float(self.meta.video_from_s[camera][row]) + timestamps[rows].astype(
-                np.float64)
             video = data.videos[camera]
-            frames = self.decoders.frames_at((episode, camera), video.mp4,
-                                             query_s - video.start_s, self.ds.tolerance_s,
-                                             np.uint8 if self.ds.return_uint8 else np.float32)
+            frames = self.decoders.frames_at(
+                (episode, camera), video.mp4,
+                synth.request_times_s(self.meta, episode, camera, timestamps[rows]),
+                self.ds.tolerance_s, np.uint8 if self.ds.return_uint8 else np.float32,
+                video.start_pts)
             pixels = torch.from_numpy(frames)
             item[camera] = pixels[0] if len(rows) == 1 else pixels  # LeRobot's squeeze(0)
         task_index = int(data.rows["task_index"][frame])

@@ -1,80 +1,46 @@
-"""An episode's byte span in a source MP4, and the mini-MP4 that makes those bytes decodable.
+"""Which samples an episode needs, the one byte span that holds them, and the mini-MP4 that
+makes those bytes decodable: SPEC §7, without I/O, on a :class:`refstream.mp4.SampleIndex`.
 
-Three calls, in this order, all on a :class:`refstream.mp4.SampleIndex` and without I/O:
+Calls, in the order a loader makes them::
 
-1. :func:`select_span` — the decode-order samples an episode needs, as one :class:`Span` with the
-   one byte range to fetch from the source file.
-2. :func:`synthesized_size` — the exact size of the mini-MP4, from the index alone (for the byte
-   budget, before anything is fetched).
-3. :func:`synthesize` — ``ftyp | moov | mdat`` around the fetched payload (``synthesize_header``
-   is everything before the payload).
+    matches = serving_samples(index.pts, index.timescale, times_s, tolerance_s)  # SPEC §7.1
+    spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
+    size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
+    mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
-Span selection (exact, no padding constant). A sample is *needed* when its presentation time
-``pts / timescale`` lies within ``tolerance_s`` of a time the episode can request: each of
-``request_times_s`` when given, else any ``t`` with ``from_s ≤ t < to_s`` (so
-``from_s - tol ≤ pts_s < to_s + tol``). Every request time must match a sample
-(:class:`FrameNotFound` otherwise). The span then runs in decode order from ``lo`` to ``hi``:
-
-* ``lo`` is the last keyframe at or before the first needed sample (decode order) that presents
-  at or before the earliest needed presentation time;
-* ``hi`` is the last needed sample, or — when the file is reordered (some pts is not greater
-  than the pts before it in decode order) — the sample before the next keyframe after it (the
-  end of its GOP), or the last sample.
-
-``start_pts = pts[lo]`` is local time 0. Samples of the span that present before it are the
-leading pictures of an open-GOP keyframe: the mini-MP4's edit hides them (FFmpeg marks them
-discard and drops their frames), so every frame decoded from the mini-MP4 has
-``local pts = source pts - start_pts``. The byte range is ``min(offset)`` to
-``max(offset + size)`` over the span; it may hold bytes of other tracks, carried unreferenced.
-
-Mini-MP4 layout (big-endian, one video track, one sample per chunk; sizes in bytes)::
-
-    ftyp     the source ftyp verbatim, or DEFAULT_FTYP (28)
-    moov     8
-      mvhd   v1 (120): timescale = media timescale, duration = edit duration, next track id
-      trak   8
-        tkhd v1 flags 3 (104): track id, duration, width/height (16.16) from the sample entry
-        edts 8 + elst v1 (36): one entry (D, M, rate 1.0)
-        mdia 8
-          mdhd v1 (44), language 'und'
-          hdlr (45): 'vide', name "VideoHandler"
-          minf 8
-            vmhd (20) flags 1
-            dinf 8 + dref (28) with one self-contained 'url ' entry
-            stbl 8
-              stsd 8 + the source stsd payload verbatim
-              stts 16 + 8 per run of equal durations
-              ctts v0 16 + 8 per run of equal offsets — omitted when every offset is 0
-              stss 16 + 4 per kept sync sample — omitted when every sample is kept as sync
-              stsc (28): one entry (1, 1, 1)
-              stsz 20 + 4 per sample
-              stco 16 + 4 per sample, or co64 16 + 8 per sample when an offset exceeds 2^32 - 1
-    mdat     8-byte header, or 16 (64-bit size) when 8 + payload exceeds 2^32 - 1; the payload
-
-Local timeline: ``dts_local[i] = dts[i] - dts[lo]``; composition offset
-``c[i] = pts[i] - dts[i] + K`` with ``K = max(0, -min(pts - dts))`` over the span, so ``c ≥ 0``;
-``p[i] = dts_local[i] + c[i]``. The edit starts at ``M = p[lo]`` and lasts
-``D = max(p[i] + max(duration[i], 1)) - M`` over the samples with ``p[i] ≥ M``. Kept sync
-samples: ``lo``, and each later keyframe ``s`` of the span none of whose GOP (``s`` up to the
-next keyframe or ``hi``) presents before it — an open-GOP keyframe with leading pictures is not
-a place a decoder may start. Sample offsets are ``mdat payload start + offset[i] -
-byte_offset``. The moov size depends on the offset width, which depends on the moov size, so
-:func:`synthesized_size` iterates from 32-bit offsets until the layout is stable.
+:func:`serving_samples` is the one rule deciding whether a frame serves a requested time; span
+selection here, the decoder's choice of frame (:mod:`refstream.decode`, SPEC §10.8) and the
+dataset doctor all call it. :func:`select_span` is SPEC §7.1 for one file;
+:func:`episode_spans` applies it to every camera of an episode at the times SPEC §9.1 and §9.2
+give (:func:`request_times_s`; before the rows are read, the nominal timestamps
+:func:`nominal_timestamps_s`). :func:`synthesize` writes the layout of SPEC §7.2, and
+``synthesize_header`` everything before the payload; :func:`synthesized_size` equals the length
+of that output without building it (it iterates until the offset width is stable, so a
+``stco`` → ``co64`` switch is exact). Decoding the mini-MP4 gives every frame of the span at
+``source pts − start_pts``, bit-identical to decoding the source.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from refstream.errors import FrameNotFound, UsageError
+from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex
 
 __all__ = [
+    "Matches",
+    "serving_samples",
     "Span",
     "select_span",
+    "span_of",
+    "nominal_timestamps_s",
+    "request_times_s",
+    "episode_spans",
     "synthesized_size",
     "synthesize_header",
     "synthesize",
@@ -92,6 +58,47 @@ HANDLER_NAME = b"VideoHandler\0"
 FIXED_MOOV_BYTES = 8 + 120 + 8 + 104 + 44 + 8 + 44 + 45 + 8 + 20 + 36 + 8 + 8 + 28 + 16 + 20 + 16
 
 
+# --- which frame serves which time -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Matches:
+    """Every (request, sample) pair in which the sample serves the request, by request."""
+
+    request: np.ndarray  # int64 positions in times_s, ascending
+    sample: np.ndarray  # int64 positions in pts_ticks
+    distance_s: np.ndarray  # float64 |pts_ticks / timescale - t|, as the rule computes it
+
+    def unserved(self, count: int) -> np.ndarray:
+        """Positions (int64, ascending) of the ``count`` requests no sample serves."""
+        return np.setdiff1d(np.arange(count), self.request).astype(np.int64)
+
+
+def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
+                    tolerance_s: float) -> Matches:
+    """The samples that serve each requested time: ``|pts_ticks / timescale − t| ≤ tolerance_s``
+    in binary64, exactly as SPEC §7.1 writes it (``pts_ticks`` any order; a NaN time is served
+    by nothing)."""
+    pts_s = np.asarray(pts_ticks).astype(np.float64) / timescale
+    times_s = np.asarray(times_s, np.float64)
+    order = np.argsort(pts_s, kind="stable")
+    # Candidates reach one tick past the tolerance, far more than any rounding of the
+    # seconds; the rule below decides which of them serve.
+    reach_s = tolerance_s + 1 / timescale
+    sorted_s = pts_s[order]
+    first = np.searchsorted(sorted_s, times_s - reach_s, side="left")
+    counts = np.searchsorted(sorted_s, times_s + reach_s, side="right") - first
+    request = np.repeat(np.arange(len(times_s)), counts)
+    rank = np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts)
+    sample = order[np.repeat(first, counts) + rank]
+    distance_s = np.abs(pts_s[sample] - times_s[request])
+    served = distance_s <= tolerance_s
+    return Matches(request[served], sample[served].astype(np.int64), distance_s[served])
+
+
+# --- spans -----------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Span:
     """One (episode, camera) byte span: decode-order samples and the bytes that hold them."""
@@ -102,21 +109,33 @@ class Span:
     byte_length: int
     start_pts: int  # ticks: pts of the span's first presented sample (local time 0) = pts[lo]
 
+    def covers(self, other: Span) -> bool:
+        """True when every sample of ``other`` is a sample of this span."""
+        return self.sample_lo <= other.sample_lo and other.sample_hi <= self.sample_hi
+
 
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
-    """The minimal span whose frames cover every time the episode can request."""
+    """The minimal span whose frames serve every time the episode can request (SPEC §7.1)."""
     if not (to_s >= from_s and tolerance_s >= 0):
         raise UsageError(f"{index.path}: bad span request from_s={from_s} to_s={to_s}"
                          f" tolerance_s={tolerance_s}")
-    pts_s = index.pts / index.timescale
     if request_times_s is None:
+        pts_s = index.pts / index.timescale
         needed = (pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s)
+        if not needed.any():
+            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
+                                f" [{from_s}, {to_s}) s")
     else:
-        needed = _needed_by_times(index, pts_s, np.asarray(request_times_s, float), tolerance_s)
-    if not needed.any():
-        raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
-                            f" [{from_s}, {to_s}) s")
+        times_s = np.asarray(request_times_s, np.float64)
+        matches = serving_samples(index.pts, index.timescale, times_s, tolerance_s)
+        unserved = matches.unserved(len(times_s))
+        if len(unserved) or not len(times_s):
+            where = f"requested time {float(times_s[unserved[0]])} s" if len(unserved) else (
+                f"[{from_s}, {to_s}) s: no time requested")
+            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of {where}")
+        needed = np.zeros(len(index), dtype=bool)
+        needed[matches.sample] = True
     first_needed = int(np.argmax(needed))
     last_needed = len(needed) - 1 - int(np.argmax(needed[::-1]))
     earliest_pts = int(index.pts[needed].min())
@@ -126,33 +145,54 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
     if not len(candidates):
         raise FrameNotFound(f"{index.path}: no keyframe at or before sample {first_needed}"
                             f" presents at or before pts {earliest_pts}")
-    lo = int(candidates[-1])
     hi = last_needed
     if np.any(np.diff(index.pts) <= 0):  # reordered: finish the GOP
         later = np.flatnonzero(index.keyframe[last_needed + 1 :])
         hi = last_needed + int(later[0]) if len(later) else len(index) - 1
-    begin = int(index.offset[lo : hi + 1].min())
-    end = int((index.offset[lo : hi + 1] + index.size[lo : hi + 1]).max())
-    return Span(lo, hi, begin, end - begin, int(index.pts[lo]))
+    return span_of(index, int(candidates[-1]), hi)
 
 
-def _needed_by_times(index: SampleIndex, pts_s: np.ndarray, times_s: np.ndarray,
-                     tolerance_s: float) -> np.ndarray:
-    """Samples within tolerance of one of ``times_s``; every time must match one."""
-    order = np.argsort(pts_s, kind="stable")
-    sorted_s = pts_s[order]
-    first = np.searchsorted(sorted_s, times_s - tolerance_s, side="left")
-    stop = np.searchsorted(sorted_s, times_s + tolerance_s, side="right")
-    missing = stop <= first
-    if missing.any():
-        raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of requested time"
-                            f" {float(times_s[np.argmax(missing)])} s")
-    marks = np.zeros(len(sorted_s) + 1, dtype=np.int64)  # +1 at each start, -1 after each end
-    np.add.at(marks, first, 1)
-    np.add.at(marks, stop, -1)
-    needed = np.zeros(len(sorted_s), dtype=bool)
-    needed[order] = np.cumsum(marks[:-1]) > 0
-    return needed
+def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
+    """The span of decode-order samples ``sample_lo..sample_hi``: their one byte range."""
+    sl = slice(sample_lo, sample_hi + 1)
+    begin = int(index.offset[sl].min())
+    end = int((index.offset[sl] + index.size[sl]).max())
+    return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
+
+
+def nominal_timestamps_s(meta: DatasetMeta, episode: int) -> np.ndarray:
+    """float64: the timestamps LeRobot's recorder writes, ``float32(k / fps)`` (SPEC §9.2),
+    known before the episode's rows are read."""
+    nominal = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
+    return nominal.astype(np.float64)
+
+
+def request_times_s(meta: DatasetMeta, episode: int, camera: str,
+                    timestamps_s: np.ndarray) -> np.ndarray:
+    """float64 source-file seconds at which rows with ``timestamps_s`` query ``camera``:
+    ``from_timestamp + timestamp`` (SPEC §9.1)."""
+    from_s = float(meta.video_from_s[camera][meta.row(episode)])
+    return from_s + np.asarray(timestamps_s).astype(np.float64)
+
+
+def episode_spans(meta: DatasetMeta, episode: int, indexes: Mapping[str, SampleIndex],
+                  tolerance_s: float, timestamps_s: np.ndarray | None = None,
+                  cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
+    """camera -> (its file's index, the episode's span in it), for ``cameras`` (default every
+    camera), at the request times of ``timestamps_s`` (default the nominal ones).
+
+    ``indexes`` gives the :class:`SampleIndex` of a video file by its relpath."""
+    if timestamps_s is None:
+        timestamps_s = nominal_timestamps_s(meta, episode)
+    row = meta.row(episode)
+    spans = {}
+    for camera in meta.camera_keys if cameras is None else cameras:
+        index = indexes[meta.video_relpath(episode, camera)]
+        times_s = request_times_s(meta, episode, camera, timestamps_s)
+        spans[camera] = index, select_span(index, float(meta.video_from_s[camera][row]),
+                                           float(meta.video_to_s[camera][row]), tolerance_s,
+                                           times_s)
+    return spans
 
 
 # --- the mini-MP4 ----------------------------------------------------------------------------

@@ -106,7 +106,8 @@ def frame_times_s(path: Path) -> list[Fraction]:
 
 
 def unserved_times(root: Path, episode: int, camera: str, tolerance_s: float) -> list[float]:
-    """Brute force: the episode's request times with no PyAV frame within tolerance."""
+    """Brute force in plain binary64 (SPEC §7.1): the episode's request times with no PyAV
+    frame within tolerance."""
     episodes = pq.read_table(root / EPISODES_FILE).to_pydict()
     row = episodes["episode_index"].index(episode)
     file = episodes[f"videos/{camera}/file_index"][row]
@@ -114,10 +115,9 @@ def unserved_times(root: Path, episode: int, camera: str, tolerance_s: float) ->
     rows = pq.read_table(root / data(episodes["data/file_index"][row])).to_pydict()
     stamps = [t for e, t in zip(rows["episode_index"], rows["timestamp"], strict=True)
               if e == episode]
-    frames = frame_times_s(root / video(camera, file))
-    tolerance = Fraction(tolerance_s)
+    frames = [float(f) for f in frame_times_s(root / video(camera, file))]  # pts / timescale
     return [from_s + float(t) for t in stamps
-            if min(abs(f - Fraction(from_s + float(t))) for f in frames) > tolerance]
+            if min(abs(f - (from_s + float(t))) for f in frames) > tolerance_s]
 
 
 def stream_failure(root: Path) -> Exception | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from fractions import Fraction
 from pathlib import Path
 from urllib.parse import quote
 
@@ -43,7 +42,7 @@ from refstream.resume import (
 from refstream.rng import below, derive_key, permutation, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import _storage
-from refstream.synth import Span, select_span, synthesize, synthesized_size
+from refstream.synth import select_span, span_of, synthesize, synthesized_size
 from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling, unserved_requests
 from refstream.windows import make_windows, window_rows
@@ -373,11 +372,12 @@ def kind_frame_select(case: dict) -> dict:
     """Conformance kind ``frame_select``: the selection rule alone, no video.
 
     Input ``{"pts": [ticks…], "time_base": [num, den], "times_s": [...], "tolerance_s": x}``
-    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``.
+    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``. A time base
+    ``num/den`` counts ``pts · num`` ticks of timescale ``den``.
     """
+    num, den = case["time_base"]
     pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
-    time_base = Fraction(*case["time_base"])
-    chosen = select_frames(pts_ticks, time_base, np.array(case["times_s"], dtype=np.float64),
+    chosen = select_frames(pts_ticks * num, den, np.array(case["times_s"], dtype=np.float64),
                            case["tolerance_s"])
     return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
@@ -431,13 +431,10 @@ def kind_span(case_input: dict) -> dict:
 def kind_synth(case_input: dict) -> dict:
     """Kind ``synth``: ``{file, sample_lo, sample_hi}`` → synthesized size and SHA-256."""
     index = _media_index(case_input)
-    lo, hi = case_input["sample_lo"], case_input["sample_hi"]
-    begin = int(index.offset[lo : hi + 1].min())
-    end = int((index.offset[lo : hi + 1] + index.size[lo : hi + 1]).max())
-    span = Span(lo, hi, begin, end - begin, int(index.pts[lo]))
+    span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
     with open(media_path(case_input["file"]), "rb") as f:
-        f.seek(begin)
-        data = synthesize(index, span, f.read(end - begin))
+        f.seek(span.byte_offset)
+        data = synthesize(index, span, f.read(span.byte_length))
     return {"synthesized_size": synthesized_size(index, span), "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 

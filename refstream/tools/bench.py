@@ -240,8 +240,8 @@ class SpanTotals:
 
 
 def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
-    """The minimal exact spans: ``synth.select_span`` of the times each episode can request,
-    ``from_timestamp + timestamp`` of its rows (LeRobot's query times), read from the Parquet."""
+    """The minimal exact spans: ``synth.episode_spans`` at the times each episode's rows
+    request, read from the Parquet."""
     index = map_index(index_path)
     relpaths = sorted({meta.data_relpath(int(e)) for e in meta.episode_index})
     table = pa.concat_tables([pq.read_table(root / r, columns=["episode_index", "timestamp"])
@@ -251,17 +251,13 @@ def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
     span_bytes = span_frames = 0
     episode_bytes: dict[int, int] = {}
     for episode in meta.episode_index.tolist():
-        row = meta.row(episode)
-        total = 0
-        for camera in meta.camera_keys:
-            sample_index = index[meta.video_relpath(episode, camera)]
-            from_s = float(meta.video_from_s[camera][row])
-            span = synth.select_span(sample_index, from_s, float(meta.video_to_s[camera][row]),
-                                     TOLERANCE_S, from_s + timestamps_s[episode_of == episode])
+        spans = synth.episode_spans(meta, episode, index, TOLERANCE_S,
+                                    timestamps_s[episode_of == episode])
+        episode_bytes[episode] = 0
+        for sample_index, span in spans.values():
             span_bytes += span.byte_length
             span_frames += span.sample_hi - span.sample_lo + 1
-            total += synth.synthesized_size(sample_index, span)
-        episode_bytes[episode] = total
+            episode_bytes[episode] += synth.synthesized_size(sample_index, span)
     return SpanTotals(span_bytes, span_frames, episode_bytes)
 
 

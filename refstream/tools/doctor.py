@@ -31,13 +31,13 @@ failed) when the metadata cannot be loaded:
    episode that ``meta/episodes`` places elsewhere (or nowhere) are problems too.
 4. **videos** — every video file named by an episode exists and its ``moov`` parses
    (:func:`refstream.mp4.parse_index` over ``read_range``). Then for every episode and camera,
-   every time a sample can request has a frame: the request times are ``videos/K/from_timestamp
-   + timestamp`` of each of the episode's rows (LeRobot's query times; ``delta_timestamps``
-   windows clamp rows inside the episode, so they add no other time). A time ``t`` is served when
-   some sample has ``|pts / timescale − t| ≤ tolerance_s`` (float64 seconds). Where an episode's
-   rows could not be read, ``frame_index / fps`` stands in for its timestamps. Streaming also
+   every time a sample can request has a frame that serves it (SPEC §7.1,
+   :func:`refstream.synth.serving_samples`): the request times are ``videos/K/from_timestamp +
+   timestamp`` of each of the episode's rows (LeRobot's query times; ``delta_timestamps`` windows
+   clamp rows inside the episode, so they add no other time). Where an episode's rows could not
+   be read, ``frame_index / fps`` stands in for its timestamps. Streaming also
    plans each episode's byte span before reading its rows, from the nominal times
-   ``from_timestamp + float32(frame_index / fps)`` (:func:`refstream.synth.select_span`), and
+   ``from_timestamp + float32(frame_index / fps)`` (:func:`refstream.synth.episode_spans`), and
    refuses an episode whose actual times need a sample outside that span: both are checked.
    Episodes sharing a file must claim disjoint ``[from_timestamp, to_timestamp)`` windows
    (overlap beyond ``tolerance_s`` is a problem): else one is silently served the other's frames.
@@ -454,7 +454,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             if seconds is None:
                 seconds = np.arange(meta.frames(episode), dtype=np.float64) / meta.fps
             requests += len(seconds)
-            problem = _episode_video_problem(meta, indexes[relpath], episode, camera, seconds,
+            problem = _episode_video_problem(meta, indexes, episode, camera, seconds,
                                              tolerance_s)
             if problem is not None:
                 problems.add(f"episode {episode}, camera {camera}, {relpath}: {problem}")
@@ -482,35 +482,36 @@ def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[i
             furthest = window
 
 
-def _episode_video_problem(meta: DatasetMeta, index: SampleIndex, episode: int, camera: str,
-                           seconds: np.ndarray, tolerance_s: float) -> str | None:
+def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], episode: int,
+                           camera: str, seconds: np.ndarray, tolerance_s: float) -> str | None:
     """What keeps one episode's frames of one camera from being served, or None.
 
     First the rule itself: every request time has a frame within tolerance. Then the streaming
-    path's own demand (``stream.py``): it sizes and fetches the span ``synth.select_span`` gives
-    for the nominal times ``float32(frame_index / fps)``, before any row is read, and refuses
-    an episode whose actual request times need a sample outside that span.
+    path's own demand (``stream.py``): it sizes and fetches the span of the nominal times
+    (``synth.episode_spans`` without timestamps) before any row is read, and refuses an episode
+    whose actual request times need a sample outside that span.
     """
-    row = meta.row(episode)
-    from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
-    times_s = from_s + seconds
+    index = indexes[meta.video_relpath(episode, camera)]
+    times_s = synth.request_times_s(meta, episode, camera, seconds)
     unserved = unserved_requests(index.pts, index.timescale, times_s, tolerance_s)
     if len(unserved):
         k = int(unserved[0])
         pts_s = np.sort(index.pts) / index.timescale
         frames = (f"its frames span [{pts_s[0]:.6f}, {pts_s[-1]:.6f}] s" if len(pts_s)
                   else "it has no frames")
+        from_s = float(meta.video_from_s[camera][meta.row(episode)])
         return (f"{len(unserved)} of {len(times_s)} request times have no frame within "
                 f"{tolerance_s} s; first {times_s[k]:.6f} s (from_timestamp {from_s} + "
                 f"timestamp {float(seconds[k])}); {frames}")
-    nominal_s = from_s + (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
     try:
-        planned = synth.select_span(index, from_s, to_s, tolerance_s, nominal_s)
-        needed = synth.select_span(index, from_s, to_s, tolerance_s, times_s)
+        _, planned = synth.episode_spans(meta, episode, indexes, tolerance_s,
+                                         cameras=[camera])[camera]
+        _, needed = synth.episode_spans(meta, episode, indexes, tolerance_s, seconds,
+                                        [camera])[camera]
     except FrameNotFound as exc:
         return (f"the nominal times from_timestamp + frame_index / fps that streaming plans "
                 f"with are not all served ({exc})")
-    if needed.sample_lo < planned.sample_lo or needed.sample_hi > planned.sample_hi:
+    if not planned.covers(needed):
         return (f"its timestamps need samples {needed.sample_lo}..{needed.sample_hi}, outside "
                 f"samples {planned.sample_lo}..{planned.sample_hi} that streaming plans from "
                 f"frame_index / fps (timestamps disagree with frame_index / fps)")
@@ -519,22 +520,11 @@ def _episode_video_problem(meta: DatasetMeta, index: SampleIndex, episode: int, 
 
 def unserved_requests(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
                       tolerance_s: float) -> np.ndarray:
-    """Positions (int64, ascending) of the request times no frame serves.
-
-    ``pts_ticks``: every sample's presentation time in ``timescale`` ticks, any order;
-    ``times_s``: float64 seconds. A time ``t`` is served when some ``pts`` has
-    ``|pts / timescale − t| ≤ tolerance_s``, all in binary64 (``pts / timescale`` correctly
-    rounded); a NaN time is never served.
-    """
+    """Positions (int64, ascending) of the request times no frame serves, by the one rule
+    :func:`refstream.synth.serving_samples` (``pts_ticks`` any order)."""
     times_s = np.asarray(times_s, np.float64)
-    pts_s = np.sort(np.asarray(pts_ticks, np.int64)) / timescale
-    if len(pts_s) == 0:
-        return np.arange(len(times_s), dtype=np.int64)
-    after = np.searchsorted(pts_s, times_s)  # the nearest frame is just below or at/above
-    below = pts_s[np.clip(after - 1, 0, len(pts_s) - 1)]
-    above = pts_s[np.clip(after, 0, len(pts_s) - 1)]
-    nearest_s = np.minimum(np.abs(below - times_s), np.abs(above - times_s))
-    return np.flatnonzero(~(nearest_s <= tolerance_s)).astype(np.int64)
+    return synth.serving_samples(pts_ticks, timescale, times_s, tolerance_s).unserved(
+        len(times_s))
 
 
 def _ids(episodes: list[int], shown: int = 10) -> str:
