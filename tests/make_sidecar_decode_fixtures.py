@@ -1,12 +1,13 @@
 """Write the conformance cases of kinds ``frame_select`` (spec/fixtures/decode/) and
 ``sidecar_storage`` (spec/fixtures/sidecar/) with expected values from brute-force oracles that
-share no code with refstream: exact rational distances to every frame, and a scan of the integer
-ranges of the storage types. ``python tests/make_sidecar_decode_fixtures.py`` rewrites them; the
-tests recompute every expectation with the same oracles and compare."""
+share no code with refstream: binary64 distances (plain Python floats) to every frame, and a scan
+of the integer ranges of the storage types. ``python tests/make_sidecar_decode_fixtures.py``
+rewrites them; the tests recompute every expectation with the same oracles and compare."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
@@ -85,6 +86,16 @@ def frame_select_cases() -> dict[str, tuple[str, dict]]:
         "before-the-first-frame": ("a negative local time", {
             "pts": grid, "time_base": [1, 15360], "tolerance_s": 1e-4,
             "times_s": [-1 / 30]}),
+        "binary64-distance": ("t - tol <= pts / timescale <= t + tol holds in binary64, but "
+                              "the binary64 distance is 1.0000000002e-4 s > tol: unserved", {
+            "pts": [194935, 194936, 194937], "time_base": [1, 30], "tolerance_s": 1e-4,
+            "times_s": [6497.866766666667]}),
+        "zero-tolerance-exact-times": ("tolerance 0 serves times equal to pts / timescale", {
+            "pts": grid, "time_base": [1, 15360], "tolerance_s": 0.0,
+            "times_s": [p / 15360 for p in (512, 0, 7168)]}),
+        "zero-tolerance-one-ulp-off": ("tolerance 0: a time one ulp off a frame is unserved", {
+            "pts": grid, "time_base": [1, 15360], "tolerance_s": 0.0,
+            "times_s": [0.0, math.nextafter(512 / 15360, 1.0)]}),
         "ntsc-rate": ("29.97 fps: times k·1001/30000 computed in binary64", {
             "pts": ntsc, "time_base": [1, 90000], "tolerance_s": 1e-4,
             "times_s": [k * 1001 / 30000 for k in (0, 3, 9, 4)]}),

@@ -240,6 +240,19 @@ def test_conformance_fixtures(path):
     assert answer == case["expected"]
 
 
+def test_request_cases_are_the_rule_in_plain_binary64():
+    """Every doctor_requests expectation, recomputed with Python floats: a time is served iff
+    some pts has |pts / timescale - t| <= tolerance_s (SPEC §7.1)."""
+    cases = [json.loads(p.read_text()) for p in sorted(FIXTURES.glob("*.json"))]
+    cases = [c for c in cases if c["kind"] == "doctor_requests"]
+    assert len(cases) >= 7
+    for case in cases:
+        c = case["input"]
+        unserved = [k for k, t in enumerate(c["times_s"])
+                    if not any(abs(p / c["timescale"] - t) <= c["tolerance_s"] for p in c["pts"])]
+        assert case["expected"] == {"unserved": unserved}, case["description"]
+
+
 def test_there_are_fixtures_of_both_kinds():
     kinds = {json.loads(p.read_text())["kind"] for p in FIXTURES.glob("*.json")}
     assert kinds == set(ADAPTERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -12,17 +13,20 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refstream.errors import FrameNotFound, UsageError
 from refstream.mp4 import SampleIndex, parse_index, parse_index_bytes
 from refstream.synth import (
     Span,
     select_span,
+    serving_samples,
     synthesize,
     synthesize_header,
     synthesized_size,
 )
-from refstream.tools.adapters import kind_span, kind_synth
+from refstream.tools.adapters import answer, kind_synth
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 REAL = ["av1_g2", "av1_g30", "h264_nob", "h264_intra", "h264_b", "h264_negcts", "h264_opengop",
@@ -82,6 +86,33 @@ def check_span_decodes(name: str, span: Span, needed_pts: np.ndarray) -> None:
         assert discard == (index.pts[i] < span.start_pts)
         if not discard:
             assert pts == index.pts[i] - span.start_pts
+
+
+@settings(max_examples=300, deadline=None)
+@given(timescale=st.sampled_from([1, 30, 1000, 1024, 15360, 90000]),
+       pts=st.lists(st.integers(-10**6, 10**9), max_size=12),
+       picks=st.lists(st.tuples(st.integers(0, 11), st.sampled_from([-1, 0, 1]),
+                                st.integers(-2, 2)), max_size=12),
+       tolerance_s=st.sampled_from([0.0, 2.0**-10, 1e-4, 0.01, 0.5]))
+def test_serving_samples_is_the_rule_over_every_pair(timescale, pts, picks, tolerance_s):
+    """Oracle: |pts / timescale - t| <= tol in plain Python floats over every (time, sample)
+    pair; times sit on frames, at frame ± tol, and a few ulps around those edges."""
+    times = []
+    for position, side, ulps in picks:
+        t = (pts[position % len(pts)] / timescale if pts else 0.0) + side * tolerance_s
+        for _ in range(abs(ulps)):
+            t = math.nextafter(t, math.copysign(math.inf, ulps))
+        times.append(t)
+    matches = serving_samples(np.array(pts, np.int64), timescale, np.array(times), tolerance_s)
+    expected = sorted((r, i) for r, t in enumerate(times) for i, p in enumerate(pts)
+                      if abs(p / timescale - t) <= tolerance_s)
+    pairs = zip(matches.request.tolist(), matches.sample.tolist(), strict=True)
+    assert sorted(pairs) == expected
+    assert list(matches.request) == sorted(matches.request)
+    for r, i, d in zip(matches.request, matches.sample, matches.distance_s, strict=True):
+        assert d == abs(pts[i] / timescale - times[r])
+    assert matches.unserved(len(times)).tolist() == sorted(
+        set(range(len(times))) - {r for r, _ in expected})
 
 
 def brute_span(index: SampleIndex, times_s: list[float], tol: float) -> tuple[int, int]:
@@ -268,7 +299,7 @@ SYNTH_CASES = sorted((MEDIA.parent / "synth").glob("*.json"))
 @pytest.mark.parametrize("case", SPAN_CASES, ids=[c.stem for c in SPAN_CASES])
 def test_conformance_span(case):
     doc = json.loads(case.read_text())
-    assert doc["kind"] == "span" and kind_span(doc["input"]) == doc["expected"]
+    assert doc["kind"] == "span" and answer("span", doc["input"]) == doc["expected"]
 
 
 @pytest.mark.parametrize("case", SYNTH_CASES, ids=[c.stem for c in SYNTH_CASES])
