@@ -90,6 +90,10 @@ def frame_select_cases() -> dict[str, tuple[str, dict]]:
                               "the binary64 distance is 1.0000000002e-4 s > tol: unserved", {
             "pts": [194935, 194936, 194937], "time_base": [1, 30], "tolerance_s": 1e-4,
             "times_s": [6497.866766666667]}),
+        "binary64-distance-rounds-down": ("t + tol < pts / timescale in binary64, but the "
+                                          "binary64 distance rounds to tol: served", {
+            "pts": [20, 40], "time_base": [1, 15360], "tolerance_s": 0.001,
+            "times_s": [0.00030208333333333313]}),
         "zero-tolerance-exact-times": ("tolerance 0 serves times equal to pts / timescale", {
             "pts": grid, "time_base": [1, 15360], "tolerance_s": 0.0,
             "times_s": [p / 15360 for p in (512, 0, 7168)]}),
