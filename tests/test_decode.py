@@ -4,6 +4,7 @@ frame a full decode of the file yields at that pts; tolerance is enforced, never
 the decoder LRU is bounded and serialises each decoder across threads and evictions."""
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -109,6 +110,26 @@ def test_a_time_matching_no_frame_within_tolerance_raises(videos, where):
         decoder.frames_at([time_s], tolerance_s=1.01 * step)
 
 
+@pytest.mark.parametrize("name", ["h264-bframes", "av1"])
+def test_the_edges_of_the_tolerance(videos, name):
+    # SPEC §7.1 in binary64: a frame exactly at t + tol serves t, one ulp of t further it does
+    # not; tolerance 0 serves times equal to pts / timescale. A frame at an exact binary
+    # fraction of a second (0.5 s) and a tolerance of 2^-10 make t + tol exact.
+    data, oracle = videos[name]
+    with EpisodeDecoder(data, "episode 2 camera top") as decoder:
+        edge = [p for p in sorted(oracle) if p / decoder.timescale == 0.5]
+        assert edge, "the video has a frame at 0.5 s"
+        frames = decoder.frames_at([0.5 - 2**-10], tolerance_s=2**-10)
+        np.testing.assert_array_equal(frames[0], chw(oracle[edge[0]]))
+        with pytest.raises(FrameNotFound):
+            decoder.frames_at([math.nextafter(0.5 - 2**-10, 0.0)], tolerance_s=2**-10)
+        wanted = sorted(oracle)[3:9]
+        frames = decoder.frames_at([p / decoder.timescale for p in wanted], tolerance_s=0.0)
+        np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
+        with pytest.raises(FrameNotFound):
+            decoder.frames_at([math.nextafter(wanted[0] / decoder.timescale, 1.0)], 0.0)
+
+
 def test_no_request_gives_an_empty_batch(videos):
     with EpisodeDecoder(videos["av1"][0]) as decoder:
         assert decoder.frames_at([], tolerance_s=1e-4).shape == (0, 3, 48, 64)
@@ -183,6 +204,10 @@ def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
                 np.testing.assert_array_equal(frame, chw(oracle[pts]), err_msg=f"{name} {pts}")
             for one_s, pts in zip(local_s, wanted, strict=True):  # one request at a time
                 np.testing.assert_array_equal(dec.frames_at([one_s], 1e-4)[0], chw(oracle[pts]))
+        # Source-file times, with the span's start as the video's local 0 (as streaming asks).
+        with EpisodeDecoder(synthesize(index, span, payload), name, span.start_pts) as dec:
+            frames = dec.frames_at([p / index.timescale for p in wanted], tolerance_s=1e-4)
+            np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
 
 
 # --- the decoder cache ---------------------------------------------------------------------
