@@ -36,8 +36,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refstream.errors import (
+    DatasetError,
     EpisodeSelectionError,
     MalformedDataset,
+    TableError,
     UnsafePath,
     UnsupportedDataset,
     UsageError,
@@ -50,6 +52,9 @@ __all__ = [
     "load_meta",
     "select_episodes",
     "check_relpath",
+    "column_array",
+    "index_column",
+    "next_file",
     "INFO_PATH",
     "TASKS_PATH",
     "EPISODES_PATH",
@@ -336,10 +341,9 @@ def _read_episodes(source: Source, info: dict, camera_keys: list[str]) -> dict[s
         if table.num_rows == 0:
             raise MalformedDataset(f"{relpath}: no episodes ({rows} of {total} read before it)")
         for column in wanted:
-            parts[column].append(_column_array(table, column, relpath))
+            parts[column].append(index_column(table, column, relpath))
         rows += table.num_rows
-        # LeRobot's update_chunk_file_indices.
-        chunk, file = (chunk + 1, 0) if file == info["chunks_size"] - 1 else (chunk, file + 1)
+        chunk, file = next_file(chunk, file, info["chunks_size"])
     if rows != total:
         raise MalformedDataset(
             f"meta/episodes: {rows} episode rows, but {INFO_PATH} total_episodes is {total}"
@@ -347,6 +351,12 @@ def _read_episodes(source: Source, info: dict, camera_keys: list[str]) -> dict[s
     if total == 0:
         return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}
     return {column: np.concatenate(arrays) for column, arrays in parts.items()}
+
+
+def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
+    """The (chunk, file) after ``(chunk, file)``: LeRobot's ``update_chunk_file_indices``
+    rollover, ``chunks_size`` files per chunk."""
+    return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
 
 
 def _read_columns(source: Source, relpath: str, columns: list[str]) -> pa.Table:
@@ -361,16 +371,45 @@ def _read_columns(source: Source, relpath: str, columns: list[str]) -> pa.Table:
         raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc
 
 
-def _column_array(table: pa.Table, column: str, relpath: str) -> np.ndarray:
-    """One column as int64 (indices, counts) or float64 (``*_timestamp`` seconds), no nulls."""
-    chunked = table[column]
-    if chunked.null_count:
-        raise MalformedDataset(f"{relpath}: column {column!r} has {chunked.null_count} null(s)")
-    seconds = column.endswith("_timestamp")
-    numeric = pa.types.is_integer(chunked.type) or (seconds and pa.types.is_floating(chunked.type))
-    if not numeric:
-        raise MalformedDataset(f"{relpath}: column {column!r} has type {chunked.type}")
-    return chunked.to_numpy().astype(np.float64 if seconds else np.int64)
+def column_array(column: pa.ChunkedArray, where: str, name: str,
+                 error: type[DatasetError] = TableError) -> np.ndarray:
+    """Parquet column ``name`` as a numpy array with one entry per row; fixed-size lists (nested
+    or not) become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``. Nulls, ragged lists and types
+    without a numeric form are ``error`` naming ``where`` and the column."""
+    if column.null_count:
+        raise error(f"{where}: column {name!r} has {column.null_count} null(s)")
+    array = column.combine_chunks()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        # Variable-length lists whose rows all have one length (how some writers store vectors).
+        try:  # rows of different lengths: numpy refuses them, or keeps them as objects
+            values = np.array(array.to_pylist())
+        except ValueError:
+            values = None
+        if values is None or values.dtype == object:
+            raise error(f"{where}: column {name!r} is ragged")
+        return values.reshape(shape + list(values.shape[1:]))
+    try:
+        values = array.to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, ValueError) as exc:
+        raise error(f"{where}: column {name!r} of type {column.type} has no numeric "
+                    "form") from exc
+    return values.reshape(shape)
+
+
+def index_column(table: pa.Table, name: str, where: str,
+                 error: type[DatasetError] = MalformedDataset) -> np.ndarray:
+    """An integer column (indices, counts) as int64, or a floating ``*timestamp`` column
+    (seconds) as float64; any other type is ``error`` too."""
+    seconds = name.endswith("timestamp")
+    kind = table[name].type
+    if not (pa.types.is_integer(kind) or seconds and pa.types.is_floating(kind)):
+        raise error(f"{where}: column {name!r} has type {kind}")
+    return column_array(table[name], where, name, error).astype(
+        np.float64 if seconds else np.int64)
 
 
 def _check_episodes(meta: DatasetMeta) -> None:
@@ -450,7 +489,7 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         pa.types.is_string(task_type) or pa.types.is_large_string(task_type)
     ):
         raise MalformedDataset(f"{TASKS_PATH}: column 'task' must hold strings without nulls")
-    index = _column_array(table, "task_index", TASKS_PATH)
+    index = index_column(table, "task_index", TASKS_PATH)
     if sorted(index.tolist()) != list(range(len(index))):
         raise MalformedDataset(
             f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are not 0..{len(index) - 1}"

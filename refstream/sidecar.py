@@ -115,6 +115,7 @@ __all__ = [
     "read_npz",
     "file_states",
     "cache_directory",
+    "default_cache_root",
     "video_relpaths",
     "dataset_identity",
     "export_npz",
@@ -187,10 +188,15 @@ class IndexLocation:
 # --- identity and states ---------------------------------------------------------------------
 
 
+def default_cache_root() -> Path:
+    """``$REFSTREAM_CACHE``, else ``~/.cache/refstream``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "refstream")
+
+
 def cache_directory(dataset: DatasetIdentity, cache_root: str | Path | None = None) -> Path:
     """``<cache root>/sidecars/<digest of schema version and dataset identity>``."""
     if cache_root is None:
-        cache_root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "refstream"
+        cache_root = default_cache_root()
     key = _canonical_json({"schema_version": SCHEMA_VERSION, **_identity_json(dataset)})
     return Path(cache_root) / "sidecars" / hashlib.sha256(key).hexdigest()[:16]
 

@@ -93,7 +93,7 @@ from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
 from refstream.fetch import open_source
-from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
+from refstream.meta import INFO_PATH, DatasetMeta, column_array, load_meta, select_episodes
 from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES, Planner
 from refstream.resume import (
@@ -105,7 +105,7 @@ from refstream.resume import (
 )
 from refstream.rng import resolve_seed
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
-from refstream.tables import Footers, column_array, read_episode_rows
+from refstream.tables import Footers, read_episode_rows
 from refstream.windows import make_windows, window_rows
 
 __all__ = ["StreamingDataset", "GIB"]

@@ -5,7 +5,6 @@ Public calls::
     footers = Footers()                                     # one per worker: reused per file
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers)
     candidate_row_groups(stats, episode) -> list[int]      # the pruning rule on its own
-    column_array(table[name], where, name) -> np.ndarray    # a column as numpy, one row each
 
 ``read_episode_rows`` returns a ``pyarrow.Table`` with exactly ``columns`` (in that order,
 duplicates removed) and ``expected_rows`` rows in file order — a table rather than numpy arrays
@@ -43,11 +42,11 @@ import pyarrow.parquet as pq
 
 from refstream.errors import RefstreamError, TableError, UsageError
 from refstream.fetch import RangeFile, Source
+from refstream.meta import column_array
 
 __all__ = [
     "Footers",
     "read_episode_rows",
-    "column_array",
     "candidate_row_groups",
     "EPISODE_COLUMN",
     "FRAME_COLUMN",
@@ -152,37 +151,9 @@ def _validate(table: pa.Table, where: str, expected_rows: int) -> None:
     if table.num_rows != expected_rows:
         raise TableError(f"{where}: expected {expected_rows} rows, found {table.num_rows}")
     if FRAME_COLUMN in table.column_names:
-        frames = table[FRAME_COLUMN].to_numpy()
+        frames = column_array(table[FRAME_COLUMN], where, FRAME_COLUMN)
         if not np.array_equal(frames, np.arange(expected_rows)):
             bad = int(np.flatnonzero(frames != np.arange(expected_rows))[0])
             raise TableError(
                 f"{where}: non-contiguous frame_index: row {bad} has {int(frames[bad])}"
             )
-
-
-def column_array(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
-    """Column ``name`` as a numpy array with one entry per row; fixed-size lists (nested or not)
-    become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``. Nulls, ragged lists and types
-    without a numeric form are :class:`TableError` naming ``where`` and the column."""
-    if column.null_count:
-        raise TableError(f"{where}: column {name!r} has nulls")
-    array = column.combine_chunks()
-    shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        array = array.flatten()
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-        # Variable-length lists whose rows all have one length (how some writers store vectors).
-        try:  # rows of different lengths: numpy refuses them, or keeps them as objects
-            values = np.array(array.to_pylist())
-        except ValueError:
-            values = None
-        if values is None or values.dtype == object:
-            raise TableError(f"{where}: column {name!r} is ragged")
-        return values.reshape(shape + list(values.shape[1:]))
-    try:
-        values = array.to_numpy(zero_copy_only=False)
-    except (pa.ArrowException, ValueError) as exc:
-        raise TableError(f"{where}: column {name!r} of type {column.type} has no numeric "
-                         "form") from exc
-    return values.reshape(shape)

@@ -15,10 +15,10 @@ from rangeserver import RangeServer
 
 from refstream.errors import MalformedDataset, TableError, UsageError
 from refstream.fetch import HTTPSource, LocalSource, RetryPolicy
+from refstream.meta import column_array
 from refstream.tables import (
     Footers,
     candidate_row_groups,
-    column_array,
     read_episode_rows,
 )
 from refstream.tools.conformance import first_difference, in_process, load_cases
@@ -266,5 +266,5 @@ def test_column_array_turns_fixed_lists_into_axes_and_names_bad_columns():
     np.testing.assert_array_equal(got["listed"], [[1.0, 2.0], [3.0, 4.0]])
     with pytest.raises(TableError, match=r"f.parquet: episode 3: column 'ragged' is ragged"):
         column_array(table["ragged"], "f.parquet: episode 3", "ragged")
-    with pytest.raises(TableError, match=r"f.parquet: episode 3: column 'holes' has nulls"):
+    with pytest.raises(TableError, match=r"f.parquet: episode 3: column 'holes' has 1 null"):
         column_array(table["holes"], "f.parquet: episode 3", "holes")

@@ -34,9 +34,8 @@ from av.video.reformatter import VideoReformatter
 
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
-from refstream.meta import DatasetMeta, load_meta
+from refstream.meta import DatasetMeta, column_array, load_meta
 from refstream.stream import hf_to_torch
-from refstream.tables import column_array
 from refstream.windows import make_windows, window_rows
 
 __all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",

@@ -81,10 +81,10 @@ import torch
 from refstream import shard, synth
 from refstream.errors import UsageError
 from refstream.fetch import LocalSource
-from refstream.meta import DatasetMeta, load_meta
+from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.mp4 import parse_index
 from refstream.planner import Planner
-from refstream.sidecar import CACHE_ENV, map_index
+from refstream.sidecar import CACHE_ENV, default_cache_root, map_index
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools import demo
 from refstream.tools.baselines import (
@@ -189,7 +189,7 @@ class BenchConfig:
 
 def bench_cache() -> Path:
     """``$REFSTREAM_CACHE/bench`` (default ``~/.cache/refstream/bench``)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "refstream") / "bench"
+    return default_cache_root() / "bench"
 
 
 def camera_names(count: int) -> list[str]:
@@ -246,8 +246,8 @@ def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
     relpaths = sorted({meta.data_relpath(int(e)) for e in meta.episode_index})
     table = pa.concat_tables([pq.read_table(root / r, columns=["episode_index", "timestamp"])
                               for r in relpaths])
-    episode_of = table["episode_index"].to_numpy()
-    timestamps_s = table["timestamp"].to_numpy().astype(np.float64)
+    episode_of = index_column(table, "episode_index", str(root))
+    timestamps_s = index_column(table, "timestamp", str(root))
     span_bytes = span_frames = 0
     episode_bytes: dict[int, int] = {}
     for episode in meta.episode_index.tolist():

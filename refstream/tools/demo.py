@@ -53,6 +53,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from refstream.meta import next_file
+
 __all__ = [
     "TASKS",
     "LABEL_TOLERANCE",
@@ -354,17 +356,12 @@ def _tasks_table() -> pa.Table:
     return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
 
 
-def _next_file(chunk: int, file: int) -> tuple[int, int]:
-    """LeRobot's ``update_chunk_file_indices`` rollover."""
-    return (chunk + 1, 0) if file == CHUNKS_SIZE - 1 else (chunk, file + 1)
-
-
 def _file_indices(count: int, per_file: int) -> list[tuple[int, int]]:
     """(chunk, file) of each of ``count`` episodes placed ``per_file`` to a file."""
     out, chunk, file = [], 0, 0
     for episode in range(count):
         if episode and episode % per_file == 0:
-            chunk, file = _next_file(chunk, file)
+            chunk, file = next_file(chunk, file, CHUNKS_SIZE)
         out.append((chunk, file))
     return out
 

@@ -71,6 +71,7 @@ import pyarrow.parquet as pq
 
 from refstream import sidecar, synth
 from refstream.errors import (
+    DatasetError,
     FrameNotFound,
     MalformedDataset,
     RefstreamError,
@@ -78,7 +79,7 @@ from refstream.errors import (
     UsageError,
 )
 from refstream.fetch import RangeFile, Source
-from refstream.meta import DatasetMeta, load_meta
+from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 
 __all__ = [
@@ -356,23 +357,11 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
     except (pa.ArrowException, OSError) as exc:
         problems.add(f"{relpath}: not a readable Parquet file ({exc})")
         return None
-    columns = {}
-    for name in table.column_names:
-        column = table[name]
-        if column.null_count:
-            problems.add(f"{relpath}: column {name!r} has {column.null_count} null(s)")
-            return None
-        if name == "timestamp":
-            if not pa.types.is_floating(column.type):
-                problems.add(f"{relpath}: column 'timestamp' has type {column.type}")
-                return None
-            columns[name] = column.to_numpy().astype(np.float64)
-        else:
-            if not pa.types.is_integer(column.type):
-                problems.add(f"{relpath}: column {name!r} has type {column.type}")
-                return None
-            columns[name] = column.to_numpy().astype(np.int64)
-    return columns
+    try:
+        return {name: index_column(table, name, relpath) for name in table.column_names}
+    except DatasetError as exc:
+        problems.add(str(exc))
+        return None
 
 
 def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
