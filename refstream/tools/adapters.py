@@ -21,7 +21,7 @@ from requests.structures import CaseInsensitiveDict
 
 from refstream.budget import ByteBudget
 from refstream.decode import select_frames
-from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
+from refstream.errors import BudgetError, RefstreamError, UsageError
 from refstream.fetch import (
     SuffixUnsupported,
     _Transient,
@@ -29,7 +29,7 @@ from refstream.fetch import (
     plan_range_response,
     plan_suffix_response,
 )
-from refstream.meta import check_relpath, load_meta, select_episodes
+from refstream.meta import MemorySource, check_relpath, load_meta, select_episodes
 from refstream.mp4 import parse_index_bytes
 from refstream.planner import Planner
 from refstream.resume import (
@@ -60,18 +60,6 @@ def answer(kind: str, case_input: dict) -> dict:
         return adapter(case_input)
     except RefstreamError as exc:
         return {"error": type(exc).__name__}
-
-
-class MemorySource:
-    """A dataset held in memory as ``{relpath: bytes}`` (the ``meta`` kind's files)."""
-
-    def __init__(self, files: dict[str, bytes]) -> None:
-        self.files = dict(files)
-
-    def read_bytes(self, relpath: str) -> bytes:
-        if check_relpath(relpath) not in self.files:
-            raise MalformedDataset(f"{relpath}: missing from the dataset")
-        return self.files[relpath]
 
 
 def kind_rng(case: dict) -> dict:
