@@ -1,4 +1,5 @@
-"""``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader.
+"""``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader,
+as SPEC §9 states.
 
 Use::
 
@@ -9,70 +10,36 @@ Use::
         for batch in loader: ...
 
 A sample equals LeRobot's map-style ``LeRobotDataset[i]`` for the same frame, key for key and
-dtype for dtype:
+dtype for dtype (SPEC §9.1; :func:`hf_to_torch` is LeRobot's conversion of row values). A worker
+yields its share's samples in the order of SPEC §9.2, each episode reserved whole at its exact
+synthesized size before any of its bytes is fetched (SPEC §9.3).
 
-=========================  ==================================================================
-key                        value
-=========================  ==================================================================
-every Parquet feature      a tensor as LeRobot's ``hf_transform_to_torch`` makes it: floats
-                           ``float32``, integers ``int64``, booleans ``bool``; a scalar column
-                           is 0-d, a fixed-length list is 1-D; a windowed key is stacked
-                           ``(T, …)`` over its window rows
-``{key}_is_pad``           ``bool (T,)`` for every key of ``delta_timestamps``
-each camera                ``float32 (C, H, W)`` in ``[0, 1]`` (``uint8`` with
-                           ``return_uint8``); ``(T, C, H, W)`` for a window of ``T > 1``
-``task``                   the task string of the anchor row's ``task_index``
-=========================  ==================================================================
-
-What happens where. ``__init__`` (the main process) reads the metadata, selects episodes, checks
-the windows, resolves the rank and world size (arguments, else an initialised
-``torch.distributed``, else the ``RANK``/``WORLD_SIZE`` environment, else 0/1) and makes sure the
-sidecar index of every video file exists (built once, then found in the cache). Every
-DataLoader worker (or the main process with ``num_workers=0``) then, in ``__iter__``:
-
-1. takes its *logical* worker's share: the rank's share (``shard.rank_share``) split over the
-   workers (``shard.worker_shares``), DataLoader worker ``p`` playing logical worker
-   ``(p + rotation) mod N`` after a resume, and its slice of the limits (``shard.split_limits``);
-2. computes each share episode's exact byte size, the sum over cameras of the synthesized
-   mini-MP4 sizes of its span (``synth.select_span`` for the times the episode requests,
-   ``from_timestamp + float32(k / fps)`` as LeRobot's recorder writes them; when the rows arrive,
-   the span of the exact times ``from_timestamp + timestamp`` must lie inside it, else
-   ``TableError``), and builds its :class:`~refstream.planner.Planner`, skipping the resume
-   offset;
-3. follows the planner: an admitted episode is reserved whole in the worker's
-   :class:`~refstream.budget.ByteBudget` (waiting only for in-flight fetches) and leased until it
-   is drained and its last sample yielded; frontier episodes (``planner.frontier``) are
-   reserved speculatively while they fit without evicting anything; each reservation starts one
-   fetch task on the fetch threads: the episode's Parquet rows (``tables.read_episode_rows``) and
-   one byte range per camera, turned into a mini-MP4 (``synth.synthesize``);
-4. submits each anchor to ``decode_threads`` assembly threads (rows, windows, frames decoded at
-   their exact presentation times by ``decode.DecoderCache``) and keeps at most
-   ``decoded_queue_size`` samples in flight, yielding them strictly in planner order; image
-   transforms run on the yielding thread, so a seeded generator reproduces them.
-
-Every resource (threads, budget, decoders, the source's connections) is closed when the
-generator ends, fails or is closed early; an exception in any thread reaches the consumer with
-its cause chained.
-
-Epochs, resume and the end of an epoch. The stream's position is ``(epoch, samples)``: every
-iterator starts there. ``set_epoch(e)`` sets ``(e, 0)``; ``load_state_dict(state)`` sets the
-checkpoint's position. The position lives in shared memory, so persistent workers see it.
-Without ``repeat`` an iterator is one epoch; with it the workers run epoch after epoch forever.
-A checkpoint is ``dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)`` where
-``steps`` counts the batches consumed since the position was set. A training loop::
+Resume (SPEC §9.4): ``state_dict(samples=steps * B, batch_size=B, num_workers=N)``, ``steps``
+counting the batches consumed since the position was set, is a checkpoint; ``load_state_dict``
+before ``iter(loader)`` continues from it::
 
     dataset = StreamingDataset(root, repeat=True, seed=seed)
     loader = DataLoader(dataset, batch_size=B, num_workers=N)
     if checkpoint is not None:
-        dataset.load_state_dict(checkpoint["data"])         # before iter(loader)
+        dataset.load_state_dict(checkpoint["data"])
     for steps, batch in enumerate(loader, start=1):
         ...                                                  # train on the batch
         if steps % save_every == 0:
             save({"data": dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)})
 
-With ``world_size > 1`` and no ``repeat``, every rank must yield the same number of batches or
-DDP hangs: give ``batch_size`` and each rank stops after ``resume.epoch_batches`` batches (the
-fewest any rank can fill); the frames past that point are not emitted in that epoch.
+With ``world_size > 1`` and no ``repeat``, give ``batch_size``: every rank then stops after the
+same number of batches (SPEC §9.5), so DDP does not hang.
+
+Where things happen. ``__init__`` (the main process) reads the metadata, selects episodes, checks
+the windows, resolves the rank (arguments, else an initialised ``torch.distributed``, else
+``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the sidecar index exists. Each DataLoader
+worker plans its share's spans and sizes (:func:`refstream.synth.episode_spans`), follows its
+:class:`~refstream.planner.Planner`, fetches episodes on fetch threads (rows, and one byte range
+per camera made a mini-MP4) and assembles samples on decode threads, yielding them strictly in
+planner order; image transforms run on the yielding thread, so a seeded generator reproduces
+them. The position lives in shared memory, so persistent workers see it. Every resource (threads,
+budget, decoders, connections) is closed when the generator ends, fails or is closed early, and
+an exception in any thread reaches the consumer with its cause chained.
 """
 
 from __future__ import annotations

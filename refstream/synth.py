@@ -3,20 +3,16 @@ makes those bytes decodable: SPEC §7, without I/O, on a :class:`refstream.mp4.S
 
 Calls, in the order a loader makes them::
 
-    matches = serving_samples(index.pts, index.timescale, times_s, tolerance_s)  # SPEC §7.1
     spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
     size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
-:func:`serving_samples` is the one rule deciding whether a frame serves a requested time; span
-selection here, the decoder's choice of frame (:mod:`refstream.decode`, SPEC §10.8) and the
-dataset doctor all call it. :func:`select_span` is SPEC §7.1 for one file;
-:func:`episode_spans` applies it to every camera of an episode at the times SPEC §9.1 and §9.2
-give (:func:`request_times_s`; before the rows are read, the nominal timestamps
-:func:`nominal_timestamps_s`). :func:`synthesize` writes the layout of SPEC §7.2, and
-``synthesize_header`` everything before the payload; :func:`synthesized_size` equals the length
-of that output without building it (it iterates until the offset width is stable, so a
-``stco`` → ``co64`` switch is exact). Decoding the mini-MP4 gives every frame of the span at
+:func:`serving_samples` is the one rule (SPEC §7.1) deciding whether a frame serves a requested
+time: span selection, the decoder's choice of frame (SPEC §10.8) and the doctor all call it.
+:func:`episode_spans` applies :func:`select_span` to each camera at the episode's request times
+(:func:`request_times_s`, SPEC §9.1), or before its rows are read at the nominal ones (§9.2).
+:func:`synthesized_size` equals ``len(synthesize(...))`` without building anything, also across a
+``stco`` → ``co64`` switch. Decoding the mini-MP4 (SPEC §7.2) gives every frame of the span at
 ``source pts − start_pts``, bit-identical to decoding the source.
 """
 
@@ -38,7 +34,6 @@ __all__ = [
     "Span",
     "select_span",
     "span_of",
-    "nominal_timestamps_s",
     "request_times_s",
     "episode_spans",
     "synthesized_size",
@@ -89,8 +84,8 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
     first = np.searchsorted(sorted_s, times_s - reach_s, side="left")
     counts = np.searchsorted(sorted_s, times_s + reach_s, side="right") - first
     request = np.repeat(np.arange(len(times_s)), counts)
-    rank = np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts)
-    sample = order[np.repeat(first, counts) + rank]
+    step = np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts)
+    sample = order[np.repeat(first, counts) + step]
     distance_s = np.abs(pts_s[sample] - times_s[request])
     served = distance_s <= tolerance_s
     return Matches(request[served], sample[served].astype(np.int64), distance_s[served])
@@ -123,19 +118,17 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
     if request_times_s is None:
         pts_s = index.pts / index.timescale
         needed = (pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s)
-        if not needed.any():
-            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
-                                f" [{from_s}, {to_s}) s")
     else:
         times_s = np.asarray(request_times_s, np.float64)
         matches = serving_samples(index.pts, index.timescale, times_s, tolerance_s)
         unserved = matches.unserved(len(times_s))
-        if len(unserved) or not len(times_s):
-            where = f"requested time {float(times_s[unserved[0]])} s" if len(unserved) else (
-                f"[{from_s}, {to_s}) s: no time requested")
-            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of {where}")
-        needed = np.zeros(len(index), dtype=bool)
-        needed[matches.sample] = True
+        if len(unserved):
+            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of requested"
+                                f" time {float(times_s[unserved[0]])} s")
+        needed = np.isin(np.arange(len(index)), matches.sample)
+    if not needed.any():
+        raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
+                            f" [{from_s}, {to_s}) s")
     first_needed = int(np.argmax(needed))
     last_needed = len(needed) - 1 - int(np.argmax(needed[::-1]))
     earliest_pts = int(index.pts[needed].min())
@@ -160,13 +153,6 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
-def nominal_timestamps_s(meta: DatasetMeta, episode: int) -> np.ndarray:
-    """float64: the timestamps LeRobot's recorder writes, ``float32(k / fps)`` (SPEC §9.2),
-    known before the episode's rows are read."""
-    nominal = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
-    return nominal.astype(np.float64)
-
-
 def request_times_s(meta: DatasetMeta, episode: int, camera: str,
                     timestamps_s: np.ndarray) -> np.ndarray:
     """float64 source-file seconds at which rows with ``timestamps_s`` query ``camera``:
@@ -179,11 +165,11 @@ def episode_spans(meta: DatasetMeta, episode: int, indexes: Mapping[str, SampleI
                   tolerance_s: float, timestamps_s: np.ndarray | None = None,
                   cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
     """camera -> (its file's index, the episode's span in it), for ``cameras`` (default every
-    camera), at the request times of ``timestamps_s`` (default the nominal ones).
-
-    ``indexes`` gives the :class:`SampleIndex` of a video file by its relpath."""
+    camera) at the request times of ``timestamps_s``; ``indexes`` maps a video relpath to its
+    index. Without timestamps, the nominal ones ``float32(k / fps)`` that LeRobot's recorder
+    writes stand in (SPEC §9.2)."""
     if timestamps_s is None:
-        timestamps_s = nominal_timestamps_s(meta, episode)
+        timestamps_s = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
     row = meta.row(episode)
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:

@@ -1,33 +1,18 @@
-"""One episode's rows from a LeRobot v3 data Parquet file, read by range.
+"""One episode's rows of a LeRobot v3 data Parquet file, read by range: SPEC §8.5.
 
-Public calls::
+Use::
 
-    footers = Footers()                                     # one per worker: reused per file
+    footers = Footers()          # one per worker: each file's footer is read once
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers)
-    candidate_row_groups(stats, episode) -> list[int]      # the pruning rule on its own
+    values = column_array(table[name], where, name)          # refstream.meta: numpy per row
 
-``read_episode_rows`` returns a ``pyarrow.Table`` with exactly ``columns`` (in that order,
-duplicates removed) and ``expected_rows`` rows in file order — a table rather than numpy arrays
-because list/struct features keep their Arrow types and the caller converts once per sample.
-It reads through :class:`refstream.fetch.RangeFile`, so only the footer and the column chunks of
-the candidate row groups travel, and it:
-
-1. opens the footer — one ``read_tail`` of the file's last :data:`FOOTER_TAIL_BYTES` gives its
-   size and footer (a small file's last row groups too); size, tail and metadata are kept in
-   ``footers``, when given, so later episodes of the same file cost only their row groups —
-   and checks that every asked column exists (else :class:`TableError`);
-2. reads ``columns`` plus ``episode_index`` (and ``frame_index`` when the file has it, for
-   validation) — the extra columns are dropped again before returning;
-3. prunes row groups with the ``episode_index`` column-chunk statistics
-   (:func:`candidate_row_groups`): a group is read when its statistics are missing or have no
-   min/max, or when ``min <= episode <= max``. An episode may span several groups, pure or
-   mixed, so all candidates are read;
-4. keeps the rows with ``episode_index == episode`` (order preserved);
-5. validates: the row count equals ``expected_rows``, and if the file has ``frame_index`` it is
-   exactly ``0, 1, …, expected_rows - 1``.
-
-Every failure is a :class:`TableError` naming the file and the episode; pyarrow's own errors are
-translated (``raise TableError(...) from exc``); fetch errors pass through unchanged.
+``read_episode_rows`` returns a ``pyarrow.Table`` of exactly ``columns`` (asked order,
+duplicates dropped) and ``expected_rows`` rows: list and struct features keep their Arrow types
+until the caller converts them. It reads through a ``RangeFile`` over the source, so only the
+footer (one ``read_tail`` of :data:`FOOTER_TAIL_BYTES`) and the candidate row groups' column
+chunks travel; :func:`candidate_row_groups` is the pruning rule on its own. Failures are
+:class:`TableError` naming the file and the episode, pyarrow's errors chained; fetch errors pass
+through unchanged.
 """
 
 from __future__ import annotations
