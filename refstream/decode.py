@@ -62,6 +62,7 @@ class EpisodeDecoder:
         stream = self._container.streams.video[0]
         self.time_base = stream.time_base  # PyAV's Fraction: 1 / the track's timescale
         if self.time_base.numerator != 1:
+            self.close()
             raise DecodeError(f"{self.label}: time base {self.time_base} is not 1/timescale")
         self.timescale: int = self.time_base.denominator
         self.width: int = stream.codec_context.width
