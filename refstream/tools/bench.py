@@ -37,7 +37,7 @@ What one run does, all with the same DataLoader settings (workers, batch size,
    plus its descendants above the main process's own before the pass (``/proc/<pid>/smaps_rollup``
    sampled every ``MEMORY_INTERVAL_S`` by a background thread), and for HTTP the server's log:
    requests (video spans, data Parquet, the rest) and video bytes, compared with the minimal span
-   bytes (``synth.select_span`` of every episode and camera) and the dataset size.
+   bytes (``synth.episode_spans`` of every episode) and the dataset size.
 4. **Decode amplification** = decoded frames ÷ delivered frames (delivered = samples × cameras
    × ``camera_window``), counted in the timed passes themselves: refstream's workers publish
    ``decoded_frames`` (``StreamingDataset.worker_stats``), the baselines count their own decodes.
