@@ -11,7 +11,9 @@ relative to the dataset root (the local, HTTP and Hub sources are edges of the l
 listing is needed; every file name comes from ``meta/info.json``. :func:`load_meta` reads
 ``meta/info.json`` (SPEC §4.2), the episodes files in LeRobot's rollover order with only the
 columns refstream uses (§4.3; ``stats/*`` is never read) and ``meta/tasks.parquet`` (§4.4), and
-checks them all before it returns. :func:`select_episodes` applies §4.5.
+checks them all before it returns. :func:`select_episodes` applies §4.5. Every reader of
+Parquet in refstream turns a column into numpy with :func:`column_array` (:func:`index_column` for
+integer and seconds columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
 
 Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
 indices, ``float64`` seconds; episode ids strictly increasing; an episode's frames are
