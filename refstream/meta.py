@@ -10,8 +10,9 @@ A :class:`Source` has one method, ``read_bytes(relpath) -> bytes``: a whole file
 relative to the dataset root (the local, HTTP and Hub sources are edges of the library). No
 listing is needed; every file name comes from ``meta/info.json``. :func:`load_meta` reads
 ``meta/info.json`` (SPEC §4.2), the episodes files in LeRobot's rollover order with only the
-columns refstream uses (§4.3; ``stats/*`` is never read) and ``meta/tasks.parquet`` (§4.4), and
-checks them all before it returns. :func:`select_episodes` applies §4.5. Every reader of
+columns refstream uses (§4.3; ``stats/*`` only on demand, :mod:`refstream.stats`),
+``meta/tasks.parquet`` (§4.4) and ``meta/stats.json`` when present (§4.7), and checks them all
+before it returns. :func:`select_episodes` applies §4.5. Every reader of
 Parquet in refstream turns a column into numpy with :func:`column_array` (:func:`index_column` for
 integer and seconds columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
 
@@ -47,6 +48,7 @@ from refstream.errors import (
     UsageError,
 )
 from refstream.shard import episode_ids
+from refstream.stats import load_stats
 
 __all__ = [
     "Source",
@@ -142,6 +144,8 @@ class DatasetMeta:
     tasks: list[str]  # task string of each task_index
     data_path: str  # info.json template, fields chunk_index and file_index
     video_path: str | None  # info.json template, fields video_key, chunk_index, file_index
+    episodes_files: list[tuple[str, int]]  # each episodes file read and its row count
+    stats: dict | None  # meta/stats.json as arrays (refstream.stats), None when absent
 
     def row(self, episode: int) -> int:
         """Position of an episode id in the per-episode arrays (EpisodeSelectionError if absent)."""
@@ -183,7 +187,7 @@ def load_meta(source: Source) -> DatasetMeta:
     info = _read_info(source)
     features = info["features"]
     camera_keys = [key for key, feature in features.items() if feature["dtype"] == "video"]
-    columns = _read_episodes(source, info, camera_keys)
+    columns, episodes_files = _read_episodes(source, info, camera_keys)
     tasks = _read_tasks(source, info)
     meta = DatasetMeta(
         fps=info["fps"],
@@ -205,6 +209,8 @@ def load_meta(source: Source) -> DatasetMeta:
         tasks=tasks,
         data_path=info["data_path"],
         video_path=info["video_path"],
+        episodes_files=episodes_files,
+        stats=load_stats(source),
     )
     _check_episodes(meta)
     _check_paths(meta)
@@ -329,13 +335,16 @@ def _format_path(template: str | None, name: str, **values: object) -> str:
 # --- meta/episodes -----------------------------------------------------------------------------
 
 
-def _read_episodes(source: Source, info: dict, camera_keys: list[str]) -> dict[str, np.ndarray]:
-    """Concatenate the projected episode columns of every episodes file, in file order."""
+def _read_episodes(source: Source, info: dict,
+                   camera_keys: list[str]) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
+    """The projected episode columns of every episodes file concatenated in file order, and
+    each file read with its row count."""
     wanted = list(EPISODE_COLUMNS)
     for key in camera_keys:
         wanted += [f"videos/{key}/{column}" for column in VIDEO_COLUMNS]
     total = info["total_episodes"]
     parts: dict[str, list[np.ndarray]] = {column: [] for column in wanted}
+    files: list[tuple[str, int]] = []
     rows, chunk, file = 0, 0, 0
     while rows < total:
         relpath = EPISODES_PATH.format(chunk_index=chunk, file_index=file)
@@ -345,14 +354,15 @@ def _read_episodes(source: Source, info: dict, camera_keys: list[str]) -> dict[s
         for column in wanted:
             parts[column].append(index_column(table, column, relpath))
         rows += table.num_rows
+        files.append((relpath, table.num_rows))
         chunk, file = next_file(chunk, file, info["chunks_size"])
     if rows != total:
         raise MalformedDataset(
             f"meta/episodes: {rows} episode rows, but {INFO_PATH} total_episodes is {total}"
         )
     if total == 0:
-        return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}
-    return {column: np.concatenate(arrays) for column, arrays in parts.items()}
+        return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}, []
+    return {column: np.concatenate(arrays) for column, arrays in parts.items()}, files
 
 
 def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:

@@ -2,10 +2,11 @@
 
 Use::
 
-    stats = parse_stats(source.read_bytes(STATS_PATH))    # meta/stats.json, as LeRobot loads it
-    stats["action"]["mean"]                                # a float64 array; "count" is int64
-    per_episode = episode_stats(episodes_table)            # the stats/<feature>/<stat> columns
-    subset = aggregate_stats([per_episode[i] for i in rows])
+    meta.stats["action"]["mean"]               # meta/stats.json, loaded by load_meta as LeRobot
+                                               # loads it: float64 arrays, "count" int64
+    subset = selection_stats(source, meta, [3, 7])   # the stats of those episodes only
+    parts = read_episode_stats(source, meta, [3, 7])   # each episode's own, in that order
+    aggregate_stats(parts)                     # == subset
 
 A statistics dict maps each feature to ``{stat: numpy array}`` with the stats of SPEC §4.7
 (``min``, ``max``, ``mean``, ``std``, ``count`` and the quantiles ``q01`` … ``q99``); shapes are
@@ -17,21 +18,73 @@ variance pooled, and each quantile is the count-weighted mean of the parts' quan
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from refstream.errors import MalformedDataset, UsageError
 
-__all__ = ["STATS_PATH", "Stats", "aggregate_stats", "episode_stats", "parse_stats"]
+if TYPE_CHECKING:
+    from refstream.meta import DatasetMeta, Source
+
+__all__ = [
+    "STATS_PATH",
+    "Stats",
+    "aggregate_stats",
+    "episode_stats",
+    "load_stats",
+    "parse_stats",
+    "read_episode_stats",
+    "selection_stats",
+]
 
 STATS_PATH = "meta/stats.json"
 # A feature's statistics: stat name -> array (float64; "count" int64).
 Stats = dict[str, dict[str, np.ndarray]]
 # The statistics that are not quantiles; every other stat must be a quantile "qNN".
 _MOMENTS = ("min", "max", "mean", "std", "count")
+
+
+def load_stats(source: Source) -> Stats | None:
+    """``meta/stats.json`` of the dataset ``source`` reads, None when it has none."""
+    try:
+        data = source.read_bytes(STATS_PATH)
+    except MalformedDataset:  # what every source raises for a missing file
+        return None
+    return parse_stats(data)
+
+
+def read_episode_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> list[Stats]:
+    """Each of ``episodes``' own statistics from the episodes table (SPEC §4.7), in the order
+    given; reads only the episodes files that hold them."""
+    rows = [meta.row(int(e)) for e in episodes]
+    found: dict[int, Stats] = {}
+    first = 0
+    for relpath, count in meta.episodes_files:
+        wanted = [row - first for row in rows if first <= row < first + count]
+        if wanted:
+            data = source.read_bytes(relpath)
+            try:
+                names = [n for n in pq.read_schema(io.BytesIO(data)).names
+                         if n.startswith("stats/")]
+                table = pq.read_table(io.BytesIO(data), columns=names).take(wanted)
+            except (pa.ArrowException, OSError) as exc:
+                raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc
+            found.update(zip((first + w for w in wanted), episode_stats(table, relpath),
+                             strict=True))
+        first += count
+    return [found[row] for row in rows]
+
+
+def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
+    """The statistics of ``episodes`` alone, combined from their own (:func:`aggregate_stats`):
+    what ``meta/stats.json`` would say of a dataset of just those episodes."""
+    return aggregate_stats(read_episode_stats(source, meta, episodes))
 
 
 def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:

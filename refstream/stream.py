@@ -72,6 +72,7 @@ from refstream.resume import (
 )
 from refstream.rng import resolve_seed
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
+from refstream.stats import selection_stats
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import make_windows, window_rows
 
@@ -182,6 +183,43 @@ class StreamingDataset(IterableDataset):
         self._position = torch.zeros(4, dtype=torch.int64).share_memory_()
         self._stats = torch.zeros((MAX_TRACKED_WORKERS, len(STAT_FIELDS)),
                                   dtype=torch.int64).share_memory_()
+
+    # --- what the dataset is, in LeRobotDataset's names ---------------------------------------
+
+    @property
+    def fps(self) -> int:
+        """Frames per second of every episode and camera."""
+        return self.meta.fps
+
+    @property
+    def features(self) -> dict:
+        """``meta/info.json``'s features, verbatim."""
+        return self.meta.features
+
+    @property
+    def camera_keys(self) -> list[str]:
+        """The video features, in ``info.json`` order."""
+        return self.meta.camera_keys
+
+    @property
+    def num_episodes(self) -> int:
+        """Episodes selected (over every rank)."""
+        return len(self.episodes)
+
+    @property
+    def num_frames(self) -> int:
+        """Frames of the selected episodes (over every rank)."""
+        return sum(self.frames)
+
+    def selection_stats(self) -> dict:
+        """The normalisation statistics of the selected episodes alone, combined from each
+        episode's own as LeRobot combines statistics (SPEC §4.7). ``meta.stats`` stays those of
+        the whole dataset, as LeRobot's does; use this to normalise for a subset."""
+        source = open_source(self.worker_root)
+        try:
+            return selection_stats(source, self.meta, self.episodes)
+        finally:
+            source.close()
 
     def worker_stats(self) -> list[dict[str, int]]:
         """Counters of each DataLoader worker of the current or last iteration (worker id

@@ -100,3 +100,51 @@ def test_combining_nothing_or_parts_without_moments_is_a_usage_error():
     with pytest.raises(UsageError, match="std"):
         aggregate_stats([{"x": {"min": np.zeros(1), "max": np.zeros(1), "mean": np.zeros(1),
                                 "count": np.ones(1, np.int64)}}])
+
+
+@pytest.fixture
+def dataset(tmp_path, monkeypatch):
+    from refstream.stream import StreamingDataset
+
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
+    return lambda **kw: StreamingDataset(ROOT, **kw)
+
+
+def test_the_dataset_answers_what_lerobots_does(dataset):
+    info = json.loads((ROOT / "meta" / "info.json").read_text())
+    full, some = dataset(), dataset(episodes=[1, 3])
+    assert (full.fps, full.features, full.camera_keys) == (
+        info["fps"], info["features"],
+        [k for k, f in info["features"].items() if f["dtype"] == "video"])
+    assert (full.num_episodes, full.num_frames) == (5, 300)
+    assert (some.num_episodes, some.num_frames) == (2, 45 + 75)
+    # meta.stats is the whole dataset's, whatever the selection, as LeRobot's is
+    for ds in (full, some):
+        assert set(ds.meta.stats) == set(lerobot_stats())
+        for feature, values in lerobot_stats().items():
+            for name, value in values.items():
+                np.testing.assert_array_equal(ds.meta.stats[feature][name], value)
+
+
+def test_selection_stats_combine_only_the_selected_episodes(dataset):
+    some = dataset(episodes=[3, 1]).selection_stats()
+    expected = aggregate_stats([per_episode()[1], per_episode()[3]])
+    assert set(some) == set(expected)
+    for feature, values in expected.items():
+        for name, value in values.items():
+            np.testing.assert_array_equal(some[feature][name], value)
+    everything = dataset().selection_stats()
+    np.testing.assert_allclose(everything["action"]["std"], lerobot_stats()["action"]["std"],
+                               rtol=1e-8, atol=0)
+
+
+def test_a_dataset_without_stats_json_has_none(tmp_path, monkeypatch):
+    import shutil
+
+    from refstream.stream import StreamingDataset
+
+    root = tmp_path / "ds"
+    shutil.copytree(ROOT, root)
+    (root / "meta" / "stats.json").unlink()
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
+    assert StreamingDataset(root).meta.stats is None
