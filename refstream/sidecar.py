@@ -19,7 +19,7 @@ keeps them in two files per dataset, in a cache directory keyed by the dataset's
 
 Usage (``refstream index ROOT [--output PATH] [--workers N]`` does the same from the shell)::
 
-    source = refstream.fetch.open_source(root)
+    source = refstream.source.open_source(root)
     relpaths = video_relpaths(load_meta(source))          # every video file of the dataset
     dataset = dataset_identity(root, source, relpaths)    # what the cache is keyed by
     location = ensure_index(source, relpaths, dataset)    # find or build (main process)
@@ -30,7 +30,7 @@ Usage (``refstream index ROOT [--output PATH] [--workers N]`` does the same from
 
 ``source`` has ``read_range(relpath, offset, length)``, ``size(relpath)`` and
 ``identity(relpath)`` (a fingerprint: ETag, mtime, commit — ``""`` or ``None`` if it has none;
-``refstream.fetch`` sources qualify);
+``refstream.source`` sources qualify);
 ``relpaths`` are every video file of the *complete* dataset, so any episode selection can use
 the index. ``ensure_index`` looks in this order:
 
@@ -147,7 +147,7 @@ Progress = Callable[[int, int, str], None]  # (files done, files total, relpath 
 
 
 class IndexSource(Protocol):
-    """What the sidecar needs of a dataset's storage (``refstream.fetch`` sources have it)."""
+    """What the sidecar needs of a dataset's storage (``refstream.source`` sources have it)."""
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes: ...
 

@@ -59,7 +59,7 @@ from refstream import shard, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache
 from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
-from refstream.fetch import open_source
+from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, column_array, load_meta, select_episodes
 from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES, Planner
@@ -72,6 +72,7 @@ from refstream.resume import (
 )
 from refstream.rng import resolve_seed
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
+from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import make_windows, window_rows
@@ -173,8 +174,7 @@ class StreamingDataset(IterableDataset):
                                                   self.world_size)
             self.index_path = self._ensure_index(source) if self.meta.camera_keys else None
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
-            self.worker_root = (_pinned_root(self.root, source.identity(INFO_PATH))
-                                if self.root.startswith("hf://datasets/") else self.root)
+            self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         finally:
             source.close()
         self._frames_of = dict(zip(self.episodes, self.frames, strict=True))
@@ -646,16 +646,6 @@ def _check_anchor(item: dict, episode: int, frame: int, first_index: int) -> Non
     if "index" in item and int(item["index"]) != first_index + frame:
         raise TableError(f"episode {episode} frame {frame}: row has index {int(item['index'])}, "
                          f"expected {first_index + frame}")
-
-
-def _pinned_root(root: str, identity: str) -> str:
-    """``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` with ``REV`` replaced by the commit in
-    ``identity`` (``commit:<sha>``); any other root unchanged."""
-    if not root.startswith("hf://datasets/") or not identity.startswith("commit:"):
-        return root
-    owner, name, *prefix = root.removeprefix("hf://datasets/").split("/", 2)
-    pinned = f"hf://datasets/{owner}/{name.partition('@')[0]}@{identity.removeprefix('commit:')}"
-    return "/".join([pinned, *prefix])
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

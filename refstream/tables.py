@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from refstream.errors import RefstreamError, TableError, UsageError
-from refstream.fetch import RangeFile, Source
 from refstream.meta import column_array
+from refstream.source import RangeFile, Source
 
 __all__ = [
     "Footers",

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from media import encode_video, index_from_pyav, pattern_frames  # noqa: E402
 
-from refstream.fetch import LocalSource  # noqa: E402
 from refstream.sidecar import DatasetIdentity, ensure_index  # noqa: E402
+from refstream.source import LocalSource  # noqa: E402
 
 # Three files in two folders, like a LeRobot videos/ tree, with both codecs.
 DATASET_FILES = {

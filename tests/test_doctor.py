@@ -25,8 +25,8 @@ from lerobot_layout import write_layout
 
 from refstream import sidecar
 from refstream.errors import UsageError
-from refstream.fetch import open_source
 from refstream.meta import load_meta
+from refstream.source import open_source
 from refstream.tools import adapters
 from refstream.tools.cli import main
 from refstream.tools.demo import serve_directory, write_demo_dataset

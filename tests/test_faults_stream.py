@@ -47,7 +47,8 @@ from torch.utils.data import DataLoader
 
 import refstream.stream
 from refstream import errors
-from refstream.fetch import RetryPolicy, open_source
+from refstream.http import RetryPolicy
+from refstream.source import open_source
 from refstream.stream import StreamingDataset
 from refstream.tools.demo import read_frame_label, write_demo_dataset
 

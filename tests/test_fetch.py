@@ -27,15 +27,9 @@ from refstream.errors import (
     UnsafePath,
     UsageError,
 )
-from refstream.fetch import (
-    HTTPSource,
-    LocalSource,
-    RangeFile,
-    RetryPolicy,
-    open_hf_source,
-    open_source,
-    parse_retry_after,
-)
+from refstream.http import HTTPSource, RetryPolicy, parse_retry_after
+from refstream.hub import open_hf_source
+from refstream.source import LocalSource, RangeFile, open_source
 from refstream.tools.conformance import first_difference, in_process, load_cases
 
 FILE_BYTES = 300_000

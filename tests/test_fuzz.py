@@ -59,7 +59,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from refstream.errors import RefstreamError, SidecarInvalid
-from refstream.fetch import LocalSource
 from refstream.mp4 import parse_index
 from refstream.sidecar import (
     DatasetIdentity,
@@ -68,6 +67,7 @@ from refstream.sidecar import (
     map_index,
     read_npz,
 )
+from refstream.source import LocalSource
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 MP4_SEEDS = ("lerobot_av1", "lerobot_h264", "av1_g2", "h264_b", "h264_b_faststart",

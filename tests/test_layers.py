@@ -20,7 +20,7 @@ LAYERS = {
     "rng": 1, "meta": 1, "stats": 1, "shard": 1, "planner": 1, "resume": 1, "windows": 1, "mp4": 1,
     "synth": 1, "budget": 1,
     # the edges
-    "fetch": 2, "source": 2, "http": 2, "hub": 2, "tables": 2, "sidecar": 2, "decode": 2,
+    "source": 2, "http": 2, "hub": 2, "tables": 2, "sidecar": 2, "decode": 2,
     # the dataset, and the package's lazy door to it
     "stream": 3, "__init__": 3, "__main__": 4,
     # the tools

@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from refstream.fetch import LocalSource
 from refstream.meta import load_meta
+from refstream.source import LocalSource
 from refstream.windows import make_windows, window_rows
 
 LEROBOT = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "lerobot"

@@ -24,12 +24,12 @@ from refstream.errors import (
     UnsupportedDataset,
     UsageError,
 )
-from refstream.fetch import LocalSource
 from refstream.meta import (
     check_relpath,
     load_meta,
     select_episodes,
 )
+from refstream.source import LocalSource
 from refstream.tools import adapters
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"

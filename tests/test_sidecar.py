@@ -29,9 +29,9 @@ from refstream.errors import (
     SidecarLockTimeout,
     UsageError,
 )
-from refstream.fetch import LocalSource
 from refstream.mp4 import SampleIndex
 from refstream.sidecar import DatasetIdentity, ensure_index, map_index, read_npz
+from refstream.source import LocalSource
 from refstream.tools import adapters
 
 TESTS = Path(__file__).resolve().parent
@@ -619,7 +619,7 @@ def test_an_unusable_cache_folder_is_a_sidecar_error_naming_it(root, tmp_path):
 def test_file_states_over_http_are_one_head_per_file_in_relpath_order(tmp_path):
     from rangeserver import RangeServer, etag_of
 
-    from refstream.fetch import HTTPSource
+    from refstream.http import HTTPSource
 
     contents = {f"videos/cam{k % 3}/file-{k:03d}.mp4": os.urandom(100 + k) for k in range(20)}
     for relpath, content in contents.items():

@@ -422,10 +422,10 @@ def test_stream_command_summary(dataset_root, capsys):
 
 
 def test_hub_roots_are_pinned_to_the_commit_for_workers():
-    from refstream.stream import _pinned_root
+    from refstream.hub import pinned_root
 
     sha = "a" * 40
-    assert _pinned_root("hf://datasets/o/n", f"commit:{sha}") == f"hf://datasets/o/n@{sha}"
-    assert _pinned_root("hf://datasets/o/n@main/sub/dir", f"commit:{sha}") == (
+    assert pinned_root("hf://datasets/o/n", f"commit:{sha}") == f"hf://datasets/o/n@{sha}"
+    assert pinned_root("hf://datasets/o/n@main/sub/dir", f"commit:{sha}") == (
         f"hf://datasets/o/n@{sha}/sub/dir")
-    assert _pinned_root("http://host/data", 'etag:"x"') == "http://host/data"
+    assert pinned_root("http://host/data", 'etag:"x"') == "http://host/data"

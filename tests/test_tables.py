@@ -14,8 +14,9 @@ import pytest
 from rangeserver import RangeServer
 
 from refstream.errors import MalformedDataset, TableError, UsageError
-from refstream.fetch import HTTPSource, LocalSource, RetryPolicy
+from refstream.http import HTTPSource, RetryPolicy
 from refstream.meta import column_array
+from refstream.source import LocalSource
 from refstream.tables import (
     Footers,
     candidate_row_groups,

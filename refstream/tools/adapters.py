@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
@@ -22,14 +21,16 @@ from requests.structures import CaseInsensitiveDict
 from refstream.budget import ByteBudget
 from refstream.decode import select_frames
 from refstream.errors import BudgetError, RefstreamError, UsageError
-from refstream.fetch import (
-    SuffixUnsupported,
-    _Transient,
-    parse_hf_root,
+from refstream.http import (
+    Accept,
+    FallBack,
+    HTTPSource,
+    Retry,
     plan_range_response,
     plan_suffix_response,
 )
-from refstream.meta import MemorySource, check_relpath, load_meta, select_episodes
+from refstream.hub import hub_endpoint, parse_hf_root
+from refstream.meta import MemorySource, load_meta, select_episodes
 from refstream.mp4 import parse_index_bytes
 from refstream.planner import Planner
 from refstream.resume import (
@@ -260,17 +261,12 @@ def kind_range_response(case: dict) -> dict:
     the body is to be read, ``{"retry": true, "retry_after_s": x | null}`` when the attempt is
     to be retried, else the error (``{"error": ClassName}`` via the runner).
     """
-    headers = CaseInsensitiveDict(case["headers"])
-    try:
-        plan = plan_range_response(
-            case["first"], case["last"], case["status"], headers,
-            known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-            where="case",
-        )
-    except _Transient as exc:
-        return {"retry": True, "retry_after_s": exc.retry_after_s}
-    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
-            "file_size": plan.file_size}
+    decision = plan_range_response(
+        case["first"], case["last"], case["status"], CaseInsensitiveDict(case["headers"]),
+        known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
+        where="case",
+    )
+    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"))
 
 
 def kind_suffix_response(case: dict) -> dict:
@@ -280,18 +276,20 @@ def kind_suffix_response(case: dict) -> dict:
     ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``; or
     ``{"fallback": true}`` when the size and a plain range are to be asked instead.
     """
-    headers = CaseInsensitiveDict(case["headers"])
-    try:
-        plan = plan_suffix_response(
-            case["length"], case["status"], headers, known_size=case["known_size"],
-            whole_body_cap_bytes=case["whole_body_cap_bytes"], where="case",
-        )
-    except _Transient as exc:
-        return {"retry": True, "retry_after_s": exc.retry_after_s}
-    except SuffixUnsupported:
+    return _decision_answer(plan_suffix_response(
+        case["length"], case["status"], CaseInsensitiveDict(case["headers"]),
+        known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
+        where="case",
+    ), ("body_bytes", "skip_bytes", "file_size", "answer_bytes"))
+
+
+def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...]) -> dict:
+    """A response-judging decision as the fetch kinds answer it (``fields`` of an Accept)."""
+    if isinstance(decision, Retry):
+        return {"retry": True, "retry_after_s": decision.after_s}
+    if isinstance(decision, FallBack):
         return {"fallback": True}
-    return {"body_bytes": plan.body_bytes, "skip_bytes": plan.skip_bytes,
-            "file_size": plan.file_size, "answer_bytes": plan.answer_bytes}
+    return {name: getattr(decision, name) for name in fields}
 
 
 def kind_hf_url(case: dict) -> dict:
@@ -301,11 +299,12 @@ def kind_hf_url(case: dict) -> dict:
     answers, used only when a branch or tag needs pinning). Answer: ``revision_api_url`` (null
     when nothing is pinned), ``url`` of ``relpath`` and its ``identity`` (null for buckets).
     """
-    hf = parse_hf_root(case["root"], case["endpoint"])
-    commit = case["commit"] if hf.revision_api_url is not None else hf.revision
+    hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
+    api_url = hf.revision_api_url(endpoint)
+    commit = case["commit"] if api_url is not None else hf.revision
     return {
-        "revision_api_url": hf.revision_api_url,
-        "url": f"{hf.base_url(commit)}/{quote(check_relpath(case['relpath']), safe='/')}",
+        "revision_api_url": api_url,
+        "url": HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"]),
         "identity": None if hf.kind == "buckets" else f"commit:{commit}",
     }
 

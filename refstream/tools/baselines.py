@@ -33,8 +33,8 @@ import torch
 from av.video.reformatter import VideoReformatter
 
 from refstream.errors import UsageError
-from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, column_array, load_meta
+from refstream.source import LocalSource
 from refstream.stream import hf_to_torch
 from refstream.windows import make_windows, window_rows
 

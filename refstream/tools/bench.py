@@ -80,11 +80,11 @@ import torch
 
 from refstream import shard, synth
 from refstream.errors import UsageError
-from refstream.fetch import LocalSource
 from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.mp4 import parse_index
 from refstream.planner import Planner
 from refstream.sidecar import CACHE_ENV, default_cache_root, map_index
+from refstream.source import LocalSource
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools import demo
 from refstream.tools.baselines import (

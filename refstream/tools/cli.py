@@ -176,8 +176,8 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
 
-    from refstream.fetch import LocalSource
     from refstream.meta import load_meta, select_episodes
+    from refstream.source import LocalSource
 
     chosen = _episode_ids(args.episodes)
     if args.limit < 0:
@@ -270,8 +270,8 @@ def add_index(subparsers) -> None:
 def run_index(args) -> int:
 
     from refstream import sidecar
-    from refstream.fetch import open_source
     from refstream.meta import load_meta
+    from refstream.source import open_source
 
     source = open_source(args.root)
     relpaths = sidecar.video_relpaths(load_meta(source))
@@ -365,7 +365,7 @@ def add_doctor(subparsers) -> None:
 
 def run_doctor(args) -> int:
 
-    from refstream.fetch import open_source
+    from refstream.source import open_source
     from refstream.tools.doctor import check_dataset
 
     source = open_source(args.root)

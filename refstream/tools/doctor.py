@@ -2,12 +2,12 @@
 
 Usage (``refstream doctor ROOT|URL [--json]`` does the same from the shell)::
 
-    source = refstream.fetch.open_source(root)
+    source = refstream.source.open_source(root)
     report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
     report.ok                                   # True when every check passed: safe to train
     print(report.table())                       # or json.dumps(report.as_dict())
 
-``source`` is a :mod:`refstream.fetch` source (``read_bytes``, ``read_range``, ``size``,
+``source`` is a :mod:`refstream.source` source (``read_bytes``, ``read_range``, ``size``,
 ``identity``); the dataset is only read, never written. Each check is one :class:`Check` row of
 the :class:`Report`, in this order; the checks after the first are skipped (and count as
 failed) when the metadata cannot be loaded:
@@ -78,9 +78,9 @@ from refstream.errors import (
     SidecarInvalid,
     UsageError,
 )
-from refstream.fetch import RangeFile, Source
 from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
+from refstream.source import RangeFile, Source
 
 __all__ = [
     "Check",

@@ -1,0 +1,137 @@
+"""The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots and revision pinning
+(SPEC §8.4).
+
+Usage::
+
+    source = open_hf_source("hf://datasets/lerobot/pusht@v1.0")  # an HTTPSource on one commit
+    hf = parse_hf_root(root)            # the one hf:// parser; hf.base_url(endpoint, commit)
+    pinned_root(root, source.identity(relpath))   # the root @ the commit the source reads
+
+A branch or tag is pinned once, at open, to its commit, so every file a run reads comes from that
+commit: in the main process, and through :func:`pinned_root` in DataLoader workers. Buckets have
+no commits (ETag identities). The endpoint is :func:`hub_endpoint`, the token ``HF_TOKEN``, sent
+to the endpoint's origin only, never to the CDN the Hub redirects to. Hub API calls go through
+:func:`_api_json`, with the retries and token rule of every request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from refstream.errors import FetchError, UsageError
+from refstream.http import HTTPSource
+from refstream.meta import check_relpath
+
+__all__ = [
+    "HfRoot",
+    "parse_hf_root",
+    "pinned_root",
+    "open_hf_source",
+    "hub_endpoint",
+    "HF_DEFAULT_ENDPOINT",
+]
+
+HF_DEFAULT_ENDPOINT = "https://huggingface.co"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class HfRoot:
+    """A parsed ``hf://KIND/OWNER/NAME[@REV][/PREFIX]`` root."""
+
+    kind: str  # "datasets" or "buckets"
+    owner: str
+    name: str
+    revision: str | None  # datasets: branch, tag or commit, percent-decoded; buckets: None
+    prefix: str  # a folder inside the repository, "" for its top
+
+    def revision_api_url(self, endpoint: str) -> str | None:
+        """Where the commit of a branch or tag is asked; None when there is nothing to pin."""
+        if self.revision is None or _COMMIT.fullmatch(self.revision):
+            return None
+        rev = quote(self.revision, safe="")
+        return f"{endpoint}/api/datasets/{self.owner}/{self.name}/revision/{rev}"
+
+    def base_url(self, endpoint: str, commit: str | None) -> str:
+        """The URL that relative paths are appended to (``commit`` for datasets only)."""
+        suffix = f"/{quote(self.prefix, safe='/')}" if self.prefix else ""
+        if self.kind == "buckets":
+            return f"{endpoint}/buckets/{self.owner}/{self.name}/resolve{suffix}"
+        return f"{endpoint}/datasets/{self.owner}/{self.name}/resolve/{commit}{suffix}"
+
+
+def parse_hf_root(root: str) -> HfRoot:
+    """Split ``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` or ``hf://buckets/OWNER/NAME[/PREFIX]``
+    (else UsageError, or UnsafePath for the prefix)."""
+    kind, _, rest = root.removeprefix("hf://").partition("/")
+    parts = rest.split("/")
+    if not root.startswith("hf://") or kind not in ("datasets", "buckets") or len(parts) < 2 \
+            or not all(parts[:2]):
+        raise UsageError(
+            f"{root!r}: expected hf://datasets/OWNER/NAME[@REV] or hf://buckets/OWNER/NAME"
+        )
+    owner, name, prefix = parts[0], parts[1], "/".join(parts[2:]).strip("/")
+    if prefix:
+        check_relpath(prefix)
+    name, at, revision = name.partition("@")
+    if kind == "buckets" and at:
+        raise UsageError(f"{root!r}: buckets have no revisions")
+    if not name or (at and not revision):
+        raise UsageError(f"{root!r}: empty repository name or revision")
+    return HfRoot(kind=kind, owner=owner, name=name, prefix=prefix,
+                  revision=None if kind == "buckets" else unquote(revision or "main"))
+
+
+def pinned_root(root: str, identity: str) -> str:
+    """``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` with ``REV`` replaced by the commit of
+    ``identity`` (``commit:<sha>``); any other root or identity leaves ``root`` unchanged."""
+    if not root.startswith("hf://datasets/") or not identity.startswith("commit:"):
+        return root
+    hf = parse_hf_root(root)
+    prefix = f"/{hf.prefix}" if hf.prefix else ""
+    return f"hf://datasets/{hf.owner}/{hf.name}@{identity.removeprefix('commit:')}{prefix}"
+
+
+def hub_endpoint(endpoint: str | None = None) -> str:
+    """``endpoint``, else ``$HF_ENDPOINT``, else the public Hub; without a trailing ``/``."""
+    return (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
+
+
+def open_hf_source(
+    root: str, *, endpoint: str | None = None, token: str | None = None, **http_options
+) -> HTTPSource:
+    """An :class:`HTTPSource` for ``hf://datasets/…`` (pinned to a commit) or ``hf://buckets/…``;
+    ``token`` defaults to ``$HF_TOKEN``, ``http_options`` are HTTPSource arguments."""
+    endpoint = hub_endpoint(endpoint)
+    token = token if token is not None else os.environ.get("HF_TOKEN") or None
+    hf = parse_hf_root(root)
+    options = dict(token=token, token_origin=endpoint, label=root, **http_options)
+    if hf.kind == "buckets":
+        return HTTPSource(hf.base_url(endpoint, None), **options)
+    commit = hf.revision
+    api_url = hf.revision_api_url(endpoint)
+    if api_url is not None:
+        answer = _api_json(endpoint, api_url, options)
+        commit = str(answer.get("sha", "")) if isinstance(answer, dict) else ""
+        if not _COMMIT.fullmatch(commit):
+            raise FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
+    options["label"] = pinned_root(root, f"commit:{commit}")
+    return HTTPSource(hf.base_url(endpoint, commit), pinned_identity=f"commit:{commit}",
+                      **options)
+
+
+def _api_json(endpoint: str, url: str, options: dict) -> object:
+    """The JSON answer of one Hub API call, sent with ``options`` (token, retries, timeouts)."""
+    api = HTTPSource(endpoint, **options)
+    try:
+        body = api.get_url(url)
+    finally:
+        api.close()
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise FetchError(f"{url}: response is not JSON") from exc

@@ -1,0 +1,264 @@
+"""Byte sources: where the files of a dataset are read from (SPEC §8.1).
+
+Usage::
+
+    source = open_source(root)        # a folder, file://, http(s):// or hf:// root
+    source.read_bytes(relpath)        # a whole file (metadata)
+    source.read_range(relpath, offset, length)   # exactly `length` bytes, or an error
+    source.read_tail(relpath, length)            # (the last min(length, size) bytes, size)
+    source.size(relpath), source.identity(relpath)
+    source.expect_identity(relpath, identity)    # a later read of another version: PayloadChanged
+    source.stats()                               # the counters below
+    pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
+
+Every source is a :class:`Source`: :class:`LocalSource` here (``os.pread``; the open descriptor
+pins the version whose identity is checked), :class:`refstream.http.HTTPSource` for ``http(s)://``
+(SPEC §8.2–§8.3) and :func:`refstream.hub.open_hf_source` for ``hf://`` (SPEC §8.4). Paths are
+relative to the root and checked by :func:`refstream.meta.check_relpath`. A source may be shared
+by threads. ``stats()`` counts, since the source was made: ``requests`` (local reads; HTTP
+requests sent, each redirect hop included), ``bytes`` (payload received), ``retries`` (attempts
+after the first), ``redirects`` (hops followed) and ``refreshes`` (remembered redirect targets
+that had expired).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from refstream import meta
+from refstream.errors import FetchError, MalformedDataset, PayloadChanged, ShortRead, UsageError
+from refstream.meta import check_relpath
+
+__all__ = ["Source", "LocalSource", "RangeFile", "open_source"]
+
+
+class Source(meta.Source, Protocol):
+    """What every byte source offers (the calls of the module docstring)."""
+
+    def read_range(self, relpath: str, offset: int, length: int) -> bytes: ...
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]: ...
+    def size(self, relpath: str) -> int: ...
+    def identity(self, relpath: str) -> str: ...
+    def expect_identity(self, relpath: str, identity: str) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+def open_source(root: str | Path, **http_options) -> Source:
+    """The source for a dataset root: a folder, ``file://``, ``http(s)://`` or ``hf://``.
+
+    ``http_options`` (timeouts, ``retry``, …) are :class:`refstream.http.HTTPSource` arguments;
+    a local root has nothing to tune and ignores them.
+    """
+    from refstream import http, hub  # they build on this module
+
+    text = str(root)
+    if text.startswith("hf://"):
+        return hub.open_hf_source(text, **http_options)
+    if text.startswith(("http://", "https://")):
+        return http.HTTPSource(text, **http_options)
+    if text.startswith("file://"):
+        return LocalSource(unquote(urlsplit(text).path))
+    if "://" in text:
+        raise UsageError(f"{text!r}: unsupported root (folder, file://, http(s)://, hf://)")
+    return LocalSource(text)
+
+
+class BaseSource:
+    """What every source shares: the ``stats()`` counters, the identities given to
+    ``expect_identity`` and the check of every read against them (SPEC §8.1)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("requests", "bytes", "retries", "redirects", "refreshes"), 0)
+        self._expected: dict[str, str] = {}
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def expect_identity(self, relpath: str, identity: str) -> None:
+        with self._lock:
+            self._expected[check_relpath(relpath)] = identity
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _check_identity(self, relpath: str, actual: str, where: str) -> None:
+        """PayloadChanged when ``relpath`` is expected to have another identity than ``actual``."""
+        with self._lock:
+            expected = self._expected.get(relpath)
+        if expected is not None and actual != expected:
+            raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
+
+    def _tail_by_size(self, relpath: str, length: int) -> tuple[bytes, int]:
+        """``read_tail`` in two steps: the file's size, then a range of its last bytes."""
+        size = self.size(relpath)
+        count = min(length, size)
+        return self.read_range(relpath, size - count, count), size
+
+
+def check_span(where: str, offset: int, length: int) -> None:
+    if offset < 0 or length < 0:
+        raise UsageError(f"{where}: invalid byte range offset={offset} length={length}")
+
+
+def check_tail(where: str, length: int) -> None:
+    if length < 1:
+        raise UsageError(f"{where}: a tail read needs a positive length, got {length}")
+
+
+def byte_range(offset: int, length: int) -> str:
+    """How messages name a range: ``bytes a-b``, inclusive, as in HTTP."""
+    return f"bytes {offset}-{offset + length - 1}"
+
+
+class LocalSource(BaseSource):
+    """A dataset in a local folder, read with ``os.pread``."""
+
+    def __init__(self, root: str | Path) -> None:
+        super().__init__()
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"LocalSource({str(self.root)!r})"
+
+    def read_bytes(self, relpath: str) -> bytes:
+        return self._read(relpath, 0, None)
+
+    def read_range(self, relpath: str, offset: int, length: int) -> bytes:
+        return self._read(relpath, offset, length)
+
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
+        check_tail(str(self._path(relpath)), length)
+        return self._tail_by_size(relpath, length)
+
+    def size(self, relpath: str) -> int:
+        return self._stat(relpath).st_size
+
+    def identity(self, relpath: str) -> str:
+        return _local_identity(self._stat(relpath))
+
+    def close(self) -> None:
+        """Nothing stays open between calls."""
+
+    def _path(self, relpath: str) -> Path:
+        return self.root / check_relpath(relpath)
+
+    def _read(self, relpath: str, offset: int, length: int | None) -> bytes:
+        """``length`` bytes at ``offset``; ``None`` means to the end of the file."""
+        path = self._path(relpath)
+        check_span(str(path), offset, length or 0)
+        with self._os_errors(relpath, path):
+            fd = os.open(path, os.O_RDONLY)
+            try:  # the open descriptor pins one version of the file: its identity is checked
+                status = os.fstat(fd)
+                if length is None:
+                    length = max(0, status.st_size - offset)
+                parts, done = [], 0
+                while done < length:
+                    part = os.pread(fd, length - done, offset + done)
+                    if not part:
+                        break
+                    parts.append(part)
+                    done += len(part)
+            finally:
+                os.close(fd)
+        where = f"{path} {byte_range(offset, length)}"
+        self._check_identity(relpath, _local_identity(status), where)
+        self._count(requests=1, bytes=done)
+        if done != length:
+            raise ShortRead(f"{where}: got {done} of {length} bytes (end of file)")
+        return b"".join(parts)
+
+    def _stat(self, relpath: str) -> os.stat_result:
+        path = self._path(relpath)
+        with self._os_errors(relpath, path):
+            return os.stat(path)
+
+    @contextlib.contextmanager
+    def _os_errors(self, relpath: str, path: Path) -> Iterator[None]:
+        """A missing file is MalformedDataset; any other OSError a FetchError."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise MalformedDataset(f"{relpath}: missing from dataset root {self.root}") from exc
+        except OSError as exc:
+            raise FetchError(f"{path}: {exc}") from exc
+
+
+def _local_identity(st: os.stat_result) -> str:
+    return f"local:size={st.st_size};mtime_ns={st.st_mtime_ns}"
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over one source file; every read is one ``read_range``,
+    except reads that lie inside ``tail`` (the file's last bytes, already fetched).
+
+    ``reads`` and ``bytes_read`` count what went through this view (for tests and benches).
+    """
+
+    def __init__(self, source: Source, relpath: str, size: int | None = None,
+                 tail: bytes = b"") -> None:
+        super().__init__()
+        self.source = source
+        self.relpath = relpath
+        self._size = source.size(relpath) if size is None else size
+        if len(tail) > self._size:
+            raise UsageError(f"{relpath}: a tail of {len(tail)} bytes in a {self._size}-byte file")
+        self._tail = tail
+        self._position = 0
+        self.reads = 0
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise UsageError(f"{self.relpath}: seek to negative offset {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._read_at_position(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self._read_at_position(self._size - self._position)
+
+    def _read_at_position(self, limit: int) -> bytes:
+        length = max(0, min(limit, self._size - self._position))
+        if length == 0:
+            return b""
+        tail_start = self._size - len(self._tail)
+        if self._position >= tail_start:
+            at = self._position - tail_start
+            self._position += length
+            return self._tail[at : at + length]
+        data = self.source.read_range(self.relpath, self._position, length)
+        self._position += length
+        self.reads += 1
+        self.bytes_read += length
+        return data
