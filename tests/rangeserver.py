@@ -24,6 +24,9 @@ Fault modes (names accepted by :meth:`RangeServer.script`, probabilities in :cla
 ``500/502/503``       that status (a burst: ``Faults.burst`` consecutive requests)
 ``429``               429 with ``Retry-After: Faults.retry_after``
 ``short``             full ``Content-Length``, half the body, then the connection closes
+``short_framed``      the asked range's headers but half its body, with a ``Content-Length`` that
+                      agrees: the framing is consistent, only the length is wrong
+``short_chunked``     the same, chunked: half the body, then a valid last chunk
 ``ignore_range``      200 with the whole file
 ``200_content_range`` 200 with a ``Content-Range`` and the asked slice
 ``wrong_range``       206 whose ``Content-Range`` and body are shifted by one byte
@@ -31,10 +34,11 @@ Fault modes (names accepted by :meth:`RangeServer.script`, probabilities in :cla
 ``403``               403, as a CDN answers an expired signed URL
 ``slow``              waits ``Faults.slow_s`` before the status line
 ``redirect``          302 to the same path on ``redirect_to``
+``4xx`` / ``5xx``     any other such status (e.g. ``425``, ``412``) with a short body
 ====================  ==========================================================================
 
 Random faults hit only range GETs; scripted ones hit the next requests whatever they are. The
-status faults (5xx, 429, 403) apply to every path, the Hub API included; the others to file
+status faults (4xx, 5xx) apply to every path, the Hub API included; the others to file
 answers.
 
 Bounded: daemon threads, at most ``max_requests`` served (later requests get a 503 and
@@ -56,7 +60,8 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 FAULT_MODES = ("reset", "500", "502", "503", "429", "short", "ignore_range", "200_content_range",
-               "wrong_range", "416", "slow", "redirect", "403")
+               "wrong_range", "416", "slow", "redirect", "403", "short_framed", "short_chunked")
+_STATUS_MODE = re.compile(r"[45]\d\d")  # any other status a script may name
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _HUB_RESOLVE = re.compile(r"/datasets/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)")
 _BUCKET_RESOLVE = re.compile(r"/buckets/([^/]+)/([^/]+)/resolve/(.+)")
@@ -156,7 +161,8 @@ class RangeServer:
 
     def script(self, *modes: str) -> None:
         """Apply these modes to the next requests, in order (before any random fault)."""
-        unknown = [m for m in modes if m not in FAULT_MODES and m != ""]
+        unknown = [m for m in modes
+                   if m not in FAULT_MODES and m != "" and not _STATUS_MODE.fullmatch(m)]
         assert not unknown, f"unknown fault modes {unknown}"
         with self._lock:
             self._script.extend(modes)
@@ -273,11 +279,11 @@ def _make_handler(server: RangeServer):
                 and self.headers.get("Authorization") != f"Bearer {hub.token}"
             ):
                 return self._reply(401, b"token required")
-            if mode in ("500", "502", "503", "403"):
-                return self._reply(int(mode), b"fault")
             if mode == "429":
                 return self._reply(429, b"slow down",
                                    extra={"Retry-After": server.faults.retry_after})
+            if _STATUS_MODE.fullmatch(mode) and mode != "416":  # 416 answers a file, below
+                return self._reply(int(mode), b"fault")
             if hub is not None and (m := _HUB_REVISION.fullmatch(path)):
                 sha = hub.revisions.get(m[3], m[3] if re.fullmatch("[0-9a-f]{40}", m[3]) else "")
                 if not sha:
@@ -330,9 +336,17 @@ def _make_handler(server: RangeServer):
             self.send_response(status)
             for name, value in (extra or {}).items():
                 self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
+            if mode in ("short_framed", "short_chunked"):
+                body = body[: len(body) // 2]  # and the framing below says that is all of it
+            if mode == "short_chunked":
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if head:
+                return
+            if mode == "short_chunked":
+                self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
                 return
             if mode in ("reset", "short"):
                 self.wfile.write(body[: len(body) // 2])

@@ -1,0 +1,98 @@
+"""HTTP answers that must be retried or not, and credentials that must not be sent: against
+the fault-injecting loopback server (tests/rangeserver.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from rangeserver import RangeServer
+
+from refstream.errors import HTTPStatusError, MalformedDataset, PayloadChanged
+from refstream.http import HTTPSource, RetryPolicy
+
+FILE_BYTES = 300_000
+FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_cap_s=0.05,
+                   retry_after_cap_s=0.2)
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "blob.bin").write_bytes(os.urandom(FILE_BYTES))
+    return root
+
+
+@pytest.fixture
+def server(folder):
+    with RangeServer(folder) as srv:
+        yield srv
+
+
+def blob(folder: Path) -> bytes:
+    return (folder / "data" / "blob.bin").read_bytes()
+
+
+# --- a short body whose framing agrees with it --------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["short_framed", "short_chunked"])
+def test_a_range_answered_by_a_short_but_well_framed_body_is_retried(folder, server, mode):
+    source = HTTPSource(server.url, retry=FAST)
+    server.script(mode)
+    assert source.read_range("data/blob.bin", 5000, 100_000) == blob(folder)[5000:105_000]
+    assert [(r.mode, r.status) for r in server.log] == [(mode, 206), ("", 206)]
+    assert source.stats()["retries"] == 1
+
+
+@pytest.mark.parametrize("mode", ["short_framed", "short_chunked"])
+def test_a_tail_answered_by_a_short_but_well_framed_body_is_retried(folder, server, mode):
+    source = HTTPSource(server.url, retry=FAST)
+    server.script(mode)
+    assert source.read_tail("data/blob.bin", 4096) == (blob(folder)[-4096:], FILE_BYTES)
+    assert [(r.mode, r.range) for r in server.log] == [(mode, "bytes=-4096"), ("", "bytes=-4096")]
+    assert source.stats()["retries"] == 1
+
+
+# --- statuses -----------------------------------------------------------------------------------
+
+# SPEC §8.2 rule 3: 408, 425, 429 and 500-599 are retried.
+RETRIED = [408, 425, 429, 500, 501, 502, 503, 504, 599]
+# Rule 4: not retried, each with its error.
+NOT_RETRIED = {400: HTTPStatusError, 401: HTTPStatusError, 403: HTTPStatusError,
+               404: MalformedDataset, 410: MalformedDataset, 412: PayloadChanged}
+
+
+@pytest.mark.parametrize("status", RETRIED)
+def test_a_retried_status_is_retried_to_success(folder, server, status):
+    source = HTTPSource(server.url, retry=FAST)
+    server.script(str(status))
+    assert source.read_range("data/blob.bin", 10, 20) == blob(folder)[10:30]
+    assert [r.status for r in server.log] == [status, 206]
+    assert source.stats()["retries"] == 1
+
+
+@pytest.mark.parametrize("status", NOT_RETRIED)
+def test_any_other_status_ends_the_request_at_once(server, status):
+    source = HTTPSource(server.url, retry=FAST)
+    server.script(str(status))
+    with pytest.raises(NOT_RETRIED[status], match=rf"blob.bin bytes 10-29: .*{status}"):
+        source.read_range("data/blob.bin", 10, 20)
+    assert [r.status for r in server.log] == [status]
+    assert source.stats()["retries"] == 0
+
+
+# --- credentials ---------------------------------------------------------------------------------
+
+
+def test_netrc_credentials_are_never_sent(folder, server, tmp_path, monkeypatch):
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    source = HTTPSource(server.url, retry=FAST)
+    assert source.read_range("data/blob.bin", 0, 10) == blob(folder)[:10]
+    assert [r.authorization for r in server.log] == [False]
+
