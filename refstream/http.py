@@ -13,13 +13,16 @@ decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`F
 does not serve this kind of range) — or raise the :mod:`refstream.errors` class that ends the
 request. :class:`HTTPSource` does the I/O around them: a ``requests.Session`` per request in
 flight, reused; redirects followed by hand; the token sent to its own origin only; ``.netrc``
-never read. A connection that fails before an answer, or a body cut short, is a Retry too.
+never read. A connection that fails before an answer, or a body cut short, is a Retry too. Each
+retry is logged at WARNING on the ``refstream.http`` logger (URL, byte range, attempt, delay);
+no message carries a token or a request header.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import logging
 import random
 import re
 import time
@@ -55,6 +58,8 @@ __all__ = [
     "plan_suffix_response",
     "parse_retry_after",
 ]
+
+log = logging.getLogger(__name__)
 
 # A server that ignores Range is tolerated for bodies up to this size (metadata-sized files);
 # beyond it each span would cost a whole-file download, which we refuse.
@@ -372,6 +377,8 @@ class HTTPSource(BaseSource):
                 return outcome
             if number < policy.max_attempts:
                 delay_s = policy.delay_s(number, outcome.after_s)
+                log.warning("%s; attempt %d of %d failed, retrying in %.2f s", outcome.cause,
+                            number, policy.max_attempts, delay_s)
                 self._count(retries=1)
                 time.sleep(delay_s)
         raise RetriesExhausted(

@@ -1,8 +1,9 @@
-"""HTTP answers that must be retried or not, and credentials that must not be sent: against
-the fault-injecting loopback server (tests/rangeserver.py)."""
+"""HTTP answers that must be retried or not, the retry log and credentials that must not be
+sent: against the fault-injecting loopback server (tests/rangeserver.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from refstream.errors import HTTPStatusError, MalformedDataset, PayloadChanged
 from refstream.http import HTTPSource, RetryPolicy
 
 FILE_BYTES = 300_000
+TOKEN = "hf_refstreamSecretToken0123456789"
 FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_cap_s=0.05,
                    retry_after_cap_s=0.2)
 
@@ -84,7 +86,24 @@ def test_any_other_status_ends_the_request_at_once(server, status):
     assert source.stats()["retries"] == 0
 
 
-# --- credentials ---------------------------------------------------------------------------------
+# --- the retry log ------------------------------------------------------------------------------
+
+
+def test_each_retry_is_logged_with_url_range_and_attempt_but_no_token(folder, server, caplog):
+    caplog.set_level(logging.DEBUG)
+    source = HTTPSource(server.url, token=TOKEN, retry=FAST)
+    server.script("503", "short_framed")
+    assert source.read_range("data/blob.bin", 1000, 5000) == blob(folder)[1000:6000]
+    assert all(r.authorization for r in server.log)  # the token was sent with every attempt
+    retries = [r for r in caplog.records
+               if r.name == "refstream.http" and r.levelno == logging.WARNING]
+    for attempt, (record, reason) in enumerate(zip(retries, ["HTTP 503", "body has 2500 of 5000"],
+                                                   strict=True), start=1):
+        message = record.getMessage()
+        assert f"{server.url}/data/blob.bin bytes 1000-5999: {reason}" in message
+        assert f"attempt {attempt} of {FAST.max_attempts} failed, retrying in" in message
+    for text in [caplog.text, *(str(r.args) for r in caplog.records)]:
+        assert TOKEN not in text and "Authorization" not in text and "Bearer" not in text
 
 
 def test_netrc_credentials_are_never_sent(folder, server, tmp_path, monkeypatch):
