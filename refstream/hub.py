@@ -11,7 +11,8 @@ A branch or tag is pinned once, at open, to its commit, so every file a run read
 commit: in the main process, and through :func:`pinned_root` in DataLoader workers. Buckets have
 no commits (ETag identities). The endpoint is :func:`hub_endpoint`, the token ``HF_TOKEN``, sent
 to the endpoint's origin only, never to the CDN the Hub redirects to. Hub API calls go through
-:func:`_api_json`, with the retries and token rule of every request.
+:func:`_api_json`, with the retries and token rule of every request. A root written as a bare
+``OWNER/NAME`` is refused by :func:`check_not_a_repo_id`, which shows the ``hf://`` form.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ __all__ = [
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,14 @@ def open_hf_source(
     options["label"] = pinned_root(root, f"commit:{commit}")
     return HTTPSource(hf.base_url(endpoint, commit), pinned_identity=f"commit:{commit}",
                       **options)
+
+
+def check_not_a_repo_id(root: str) -> None:
+    """UsageError when ``root``, a path with nothing behind it, reads as a Hub repository id
+    ``OWNER/NAME``: the message shows how a Hub dataset is written."""
+    if _REPO_ID.fullmatch(root):
+        raise UsageError(f"{root!r} is not a folder here; a dataset on the Hugging Face Hub "
+                         f"is written hf://datasets/{root}")
 
 
 def _api_json(endpoint: str, url: str, options: dict) -> object:

@@ -55,7 +55,8 @@ def open_source(root: str | Path, **http_options) -> Source:
     """The source for a dataset root: a folder, ``file://``, ``http(s)://`` or ``hf://``.
 
     ``http_options`` (timeouts, ``retry``, …) are :class:`refstream.http.HTTPSource` arguments;
-    a local root has nothing to tune and ignores them.
+    a local root has nothing to tune and ignores them. A relative ``OWNER/NAME`` that is no
+    folder is refused with the ``hf://datasets/OWNER/NAME`` form.
     """
     from refstream import http, hub  # they build on this module
 
@@ -68,6 +69,8 @@ def open_source(root: str | Path, **http_options) -> Source:
         return LocalSource(unquote(urlsplit(text).path))
     if "://" in text:
         raise UsageError(f"{text!r}: unsupported root (folder, file://, http(s)://, hf://)")
+    if not os.path.exists(text):
+        hub.check_not_a_repo_id(text)
     return LocalSource(text)
 
 

@@ -1,5 +1,5 @@
-"""HTTP answers that must be retried or not, the retry log and credentials that must not be
-sent: against the fault-injecting loopback server (tests/rangeserver.py)."""
+"""HTTP answers that must be retried or not, the retry log, and roots that are not folders:
+against the fault-injecting loopback server (tests/rangeserver.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from rangeserver import RangeServer
 
-from refstream.errors import HTTPStatusError, MalformedDataset, PayloadChanged
+from refstream.errors import HTTPStatusError, MalformedDataset, PayloadChanged, UsageError
 from refstream.http import HTTPSource, RetryPolicy
+from refstream.source import LocalSource, open_source
 
 FILE_BYTES = 300_000
 TOKEN = "hf_refstreamSecretToken0123456789"
@@ -115,3 +116,17 @@ def test_netrc_credentials_are_never_sent(folder, server, tmp_path, monkeypatch)
     assert source.read_range("data/blob.bin", 0, 10) == blob(folder)[:10]
     assert [r.authorization for r in server.log] == [False]
 
+
+# --- roots that are not folders -----------------------------------------------------------------
+
+
+def test_a_bare_hub_id_is_refused_with_the_hf_form(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"'lerobot/pusht'.*hf://datasets/lerobot/pusht"):
+        open_source("lerobot/pusht")
+    from refstream.stream import StreamingDataset
+
+    with pytest.raises(UsageError, match=r"hf://datasets/lerobot/pusht"):
+        StreamingDataset("lerobot/pusht")
+    (tmp_path / "lerobot" / "pusht").mkdir(parents=True)  # a folder of that name is a folder
+    assert isinstance(open_source("lerobot/pusht"), LocalSource)
