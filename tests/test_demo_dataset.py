@@ -212,8 +212,10 @@ def test_loopback_server_ranges_etag_keepalive(tmp_path):
 def test_demo_command_verifies_every_frame(tmp_path, capsys):
     from refstream.tools.cli import main
 
-    assert main(["demo", "--workdir", str(tmp_path), "--no-progress"]) == 0
+    assert main(["demo", "--keep", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
+    assert f"dataset: {tmp_path / 'dataset'} (kept)" in out
+    assert (tmp_path / "dataset" / "meta" / "info.json").is_file()
     assert "verified: OK" in out
     assert "519 samples" in out
     assert "video spans for 12 episodes x 2 cameras" in out

@@ -123,8 +123,8 @@ MB = 1_000_000
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to generate and how to load it. The defaults are the issue's target setup, sized so
-    that a whole run, dataset generation included, fits in ten minutes on two cores."""
+    """What to generate and how to load it. The defaults are sized so that a whole run,
+    dataset generation included, fits in ten minutes on two cores."""
 
     episodes: int = 16
     frames_per_episode: int = 64

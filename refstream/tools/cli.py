@@ -2,6 +2,8 @@
 
 Each sub-command is a pair ``add_<name>(subparsers)`` / ``run_<name>(args) -> int`` below; the
 work itself lives in the module that owns it, so this file only parses arguments and prints.
+A refstream error is one line naming what to change (``-v`` adds the traceback), also when it
+was raised inside a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -9,14 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 
-from refstream import planner, shard
+from refstream import __version__, planner, shard
 from refstream.errors import RefstreamError, UsageError
 from refstream.rng import resolve_seed
 
 # Sub-commands register here as (add_parser_function) in the order the help lists them.
 COMMANDS: list = []
+ROOT_HELP = "dataset root: a folder, an http(s):// base URL or hf://datasets/OWNER/NAME[@REV]"
 
 
 def _print_summary(summary: dict, as_json: bool) -> None:
@@ -38,21 +42,75 @@ def _episode_ids(text: str | None) -> list[int] | None:
         raise UsageError(f"--episodes: {exc}") from exc
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="refstream", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True)
+class _Formatter(argparse.HelpFormatter):
+    """Help that shows each option's default, unless it has none (None) or is a switch."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if callable(action.help):  # worked out only when help is shown
+            action.help = action.help()
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+_COMMON = argparse.ArgumentParser(add_help=False)
+_COMMON.add_argument("-v", "--verbose", action="store_true",
+                     help="on an error, show its traceback too")
+
+
+def _command(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A sub-command's parser: its options' defaults in its help, ``-v``, and its own usage
+    when an option is wrong."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   formatter_class=_Formatter, parents=[_COMMON])
+    parser.set_defaults(parser=parser)
+    return parser
+
+
+def one_line(exc: BaseException) -> str:
+    """``Class: message`` of a refstream error in one line. Raised in a DataLoader worker, the
+    error reaches the main process with the worker's traceback in its message; the last line of
+    that traceback is the original error."""
+    text = str(exc).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1]
+        name, _, message = text.partition(": ")
+        if name.rpartition(".")[2] == type(exc).__name__:
+            text = message
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``refstream`` parser with every sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="refstream", description="Stream LeRobot v3 datasets (a folder, an http(s):// URL "
+        "or hf://datasets/OWNER/NAME) into PyTorch, episode by episode.")
+    parser.add_argument("--version", action="version", version=f"refstream {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except RefstreamError as exc:
-        print(f"refstream {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"refstream {args.command}: {one_line(exc)}", file=sys.stderr)
         return 2
 
 
 def add_conformance(subparsers) -> None:
-    p = subparsers.add_parser("conformance", help="run the spec fixtures against an implementation")
+    p = _command(subparsers, "conformance", "run the spec fixtures against an implementation")
     p.add_argument("--impl", help="implementation command (default: refstream itself)")
     p.add_argument("--kind", help="only cases of this kind")
     p.add_argument("--fixtures", help="fixtures folder (default: the spec shipped with refstream)")
@@ -83,11 +141,13 @@ COMMANDS.append(add_conformance)
 
 
 def add_demo(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo", help="generate a small AV1 dataset, serve it on loopback HTTP, stream, verify")
-    p.add_argument("--workdir", help="keep the dataset here (default: a temporary folder)")
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
+    p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
+                 "stream one epoch and verify every frame")
+    p.add_argument("--keep", "--workdir", dest="workdir", metavar="DIR",
+                   help="write the dataset into DIR and keep it (default: a temporary folder, "
+                   "removed at the end)")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
+    p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_demo)
 
@@ -107,19 +167,38 @@ COMMANDS.append(add_demo)
 
 
 def add_stream(subparsers) -> None:
-    p = subparsers.add_parser("stream", help="stream a dataset (folder, URL, hf://) and measure")
-    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
-    p.add_argument("--episodes", help="comma-separated episode ids (default: all)")
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max-samples", type=int, help="stop after this many samples")
-    p.add_argument("--delta-timestamps", help='JSON, e.g. \'{"action": [0, 0.0333]}\'')
-    p.add_argument("--seed", type=int)
-    p.add_argument("--byte-budget-gb", type=float, default=8.0)
+    p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
+    p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
+    p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
+    p.add_argument("--delta-timestamps", metavar="JSON",
+                   help='windows in seconds, e.g. \'{"action": [0, 0.0333]}\'')
+    p.add_argument("--seed", type=int, help="order seed (default: 42)")
+    p.add_argument("--strategy", dest="sampling_strategy", default="pool",
+                   choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
+    p.add_argument("--pool-size", dest="episode_pool_size", type=int,
+                   help="resident episodes per worker (default: 32 per rank, split over the "
+                   "workers)")
+    p.add_argument("--prefetch-episodes", type=int, default=8,
+                   help="episodes fetched ahead per worker")
+    p.add_argument("--byte-budget-gb", type=float, default=8.0,
+                   help="GiB of video held per rank, split over the workers")
+    p.add_argument("--decode-threads", type=int, default=2, help="decode threads per worker")
+    p.add_argument("--tolerance-s", type=float, default=1e-4,
+                   help="how far a video frame may be from a requested time")
+    p.add_argument("--uint8", dest="return_uint8", action="store_true",
+                   help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_stream)
+
+
+# The stream options that are StreamingDataset arguments of the same name.
+STREAM_OPTIONS = ("seed", "sampling_strategy", "episode_pool_size", "prefetch_episodes",
+                  "byte_budget_gb", "decode_threads", "tolerance_s", "return_uint8")
 
 
 def run_stream(args) -> int:
@@ -132,9 +211,9 @@ def run_stream(args) -> int:
         windows = json.loads(args.delta_timestamps) if args.delta_timestamps else None
     except ValueError as exc:
         raise UsageError(f"--delta-timestamps: {exc}") from exc
+    options = {name: getattr(args, name) for name in STREAM_OPTIONS}
     dataset = StreamingDataset(args.root, episodes=episodes, delta_timestamps=windows,
-                               seed=args.seed, byte_budget_gb=args.byte_budget_gb,
-                               batch_size=args.batch_size)
+                               batch_size=args.batch_size, **options)
     m = consume(dataset, num_workers=args.num_workers, batch_size=args.batch_size,
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
     summary = {
@@ -159,17 +238,20 @@ COMMANDS.append(add_stream)
 
 
 def add_plan(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="print a dataset's shard balance and anchor order")
-    p.add_argument("root", help="dataset root folder")
-    p.add_argument("--episodes", help="comma-separated episode ids (default: all)")
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--seed", type=int, help="default 42")
-    p.add_argument("--epoch", type=int, default=0)
-    p.add_argument("--strategy", default="pool", choices=["pool", "round_robin"])
-    p.add_argument("--pool-size", type=int, help="per worker (default: 32 per rank, split)")
-    p.add_argument("--limit", type=int, default=20, help="anchors per worker, 0 for all")
+    p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
+    p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
+    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument("--seed", type=int, help="order seed (default: 42)")
+    p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
+    p.add_argument("--strategy", default="pool", choices=planner.STRATEGIES,
+                   help="how a worker mixes its resident episodes")
+    p.add_argument("--pool-size", type=int,
+                   help="resident episodes per worker (default: 32 per rank, split over the "
+                   "workers)")
+    p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run_plan)
 
@@ -177,12 +259,16 @@ def add_plan(subparsers) -> None:
 def run_plan(args) -> int:
 
     from refstream.meta import load_meta, select_episodes
-    from refstream.source import LocalSource
+    from refstream.source import open_source
 
     chosen = _episode_ids(args.episodes)
     if args.limit < 0:
         raise UsageError(f"--limit must be 0 (all) or positive, got {args.limit}")
-    meta = load_meta(LocalSource(args.root))
+    source = open_source(args.root)
+    try:
+        meta = load_meta(source)
+    finally:
+        source.close()
     ids = select_episodes(meta, chosen)
     summary = _plan_summary(
         ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
@@ -259,8 +345,8 @@ COMMANDS.append(add_plan)
 
 
 def add_index(subparsers) -> None:
-    p = subparsers.add_parser("index", help="build or refresh the MP4 index sidecar of a dataset")
-    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
+    p = _command(subparsers, "index", "build or refresh the MP4 index sidecar of a dataset")
+    p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--output", help="also write the index here, e.g. ROOT/meta/refstream-index.npz")
     p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -300,12 +386,12 @@ COMMANDS.append(add_index)
 
 
 def add_inspect(subparsers) -> None:
-    p = subparsers.add_parser(
-        "inspect", help="show an MP4's boxes, video track, edit list, GOPs and sample table")
+    p = _command(subparsers, "inspect",
+                 "show an MP4's boxes, video track, edit list, GOPs and sample table")
     p.add_argument("file", help="a local MP4 file")
     p.add_argument("--json", action="store_true",
                    help="print everything as JSON, with the whole sample table in decode order")
-    p.add_argument("--head", type=int, default=10, help="sample table rows shown (default 10)")
+    p.add_argument("--head", type=int, default=10, help="sample table rows shown")
     p.set_defaults(run=run_inspect)
 
 
@@ -353,11 +439,11 @@ COMMANDS.append(add_inspect)
 
 
 def add_doctor(subparsers) -> None:
-    p = subparsers.add_parser(
-        "doctor", help="check a dataset before training on it (exit 0: safe to train, 1: not)")
-    p.add_argument("root", help="dataset root: a folder, http(s):// base URL or hf://datasets/…")
+    p = _command(subparsers, "doctor",
+                 "check a dataset before training on it (exit 0: safe to train, 1: not)")
+    p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--tolerance-s", type=float, default=1e-4,
-                   help="how far a video frame may be from a requested time (default 1e-4)")
+                   help="how far a video frame may be from a requested time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_doctor)
@@ -382,19 +468,44 @@ COMMANDS.append(add_doctor)
 
 
 def add_bench(subparsers) -> None:
-    p = subparsers.add_parser(
-        "bench", help="measure refstream against map-style, download-then-read, decode ceiling")
+    p = _command(subparsers, "bench",
+                 "measure refstream side by side with map-style reading, download-then-read "
+                 "and the decode ceiling")
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
-    p.add_argument("--quick", action="store_true", help="a tiny configuration (seconds)")
-    for name, kind in (("episodes", int), ("frames-per-episode", int), ("cameras", int),
-                       ("gop", int), ("bframes", int), ("pool-size", int), ("budget-gb", float),
-                       ("num-workers", int), ("batch-size", int), ("repeats", int)):
-        p.add_argument(f"--{name}", type=kind, help="default: the issue's target setup")
-    p.add_argument("--resolution", help="WxH of every camera, e.g. 320x240")
-    p.add_argument("--codec", choices=["av1", "h264"])
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny configuration that runs in seconds")
+    for name, kind, text in (
+            ("episodes", int, "episodes of the generated dataset"),
+            ("frames-per-episode", int, "frames of each generated episode"),
+            ("cameras", int, "cameras of the generated dataset"),
+            ("gop", int, "keyframe interval of the generated videos"),
+            ("bframes", int, "B-frames between references (h264 only)"),
+            ("budget-gb", float, "byte budget per rank, GiB"),
+            ("num-workers", int, "DataLoader workers"),
+            ("batch-size", int, "DataLoader batch size"),
+            ("repeats", int, "timed passes per method (medians are shown)")):
+        p.add_argument(f"--{name}", type=kind, help=_bench_default(text, name.replace("-", "_")))
+    p.add_argument("--pool-size", type=int, help="resident episodes per worker (default: 32 per "
+                   "rank, split over the workers)")
+    p.add_argument("--resolution", help=_bench_default("WxH of every camera", "width", "height"))
+    p.add_argument("--codec", choices=["av1", "h264"],
+                   help=_bench_default("codec of the generated videos", "codec"))
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
     p.set_defaults(run=run_bench)
+
+
+def _bench_default(text: str, *fields: str):
+    """Help that names the bench's default, read only when help is shown (the bench imports
+    torch)."""
+
+    def help_text() -> str:
+        from refstream.tools.bench import BenchConfig
+
+        value = "x".join(str(getattr(BenchConfig(), name)) for name in fields)
+        return f"{text} (default: {value})"
+
+    return help_text
 
 
 def run_bench(args) -> int:

@@ -730,7 +730,8 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
             max_samples: int | None = None, progress: bool = True,
             on_batch: Callable[[dict], None] | None = None) -> StreamMeasurement:
     """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader, stopping after
-    ``max_samples`` samples if given; ``on_batch`` sees every collated batch."""
+    exactly ``max_samples`` samples if given (the last batch counted in part); ``on_batch`` sees
+    every collated batch."""
     import torch
     from tqdm import tqdm
 
@@ -752,6 +753,8 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
                 if first_s is None:
                     first_s = time.perf_counter() - start
                 count = len(batch["index"]) if "index" in batch else batch_size
+                if max_samples is not None:
+                    count = min(count, max_samples - samples)
                 samples += count
                 batches += 1
                 bar.update(count)
@@ -787,6 +790,8 @@ DEMO_BUDGET_FRACTION = 0.5  # the byte budget: half the video bytes, so it bound
 class DemoReport:
     """What ``refstream demo`` verified and measured."""
 
+    root: Path  # where the dataset was written
+    kept: bool  # whether it stays there after the demo
     episodes: int
     frames: int
     cameras: int
@@ -804,7 +809,9 @@ class DemoReport:
     def lines(self) -> list[str]:
         m = self.measurement
         verdict = "OK" if not self.problems else f"FAILED ({len(self.problems)} problems)"
+        where = "kept" if self.kept else "removed at the end; --keep DIR keeps it"
         out = [
+            f"dataset: {self.root} ({where})",
             f"dataset: {self.episodes} episodes, {self.frames} frames, {self.cameras} cameras "
             f"in {self.video_files} AV1 files ({self.dataset_bytes:,} bytes, video "
             f"{self.video_bytes:,})",
@@ -827,6 +834,7 @@ class DemoReport:
 def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
              batch_size: int = 8, progress: bool = True) -> DemoReport:
     """Generate, serve and stream the demo dataset; verify every sample (``refstream demo``)."""
+    kept = workdir is not None
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="refstream-demo-"))
@@ -841,8 +849,8 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
         os.environ["REFSTREAM_CACHE"] = str(Path(workdir) / "cache")
         stack.callback(_restore_env, "REFSTREAM_CACHE", previous_cache)
         server = stack.enter_context(serve_directory(root))
-        return _stream_and_check(root, server, files, video_bytes, num_workers, batch_size,
-                                 progress)
+        return _stream_and_check(root, kept, server, files, video_bytes, num_workers,
+                                 batch_size, progress)
 
 
 def _restore_env(name: str, value: str | None) -> None:
@@ -852,8 +860,9 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _stream_and_check(root: Path, server: LoopbackServer, files: list[Path], video_bytes: int,
-                      num_workers: int, batch_size: int, progress: bool) -> DemoReport:
+def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: list[Path],
+                      video_bytes: int, num_workers: int, batch_size: int,
+                      progress: bool) -> DemoReport:
     from refstream.stream import GIB, StreamingDataset
 
     lengths = DEMO_EPISODE_LENGTHS
@@ -893,7 +902,7 @@ def _stream_and_check(root: Path, server: LoopbackServer, files: list[Path], vid
     video_spans = sum(1 for method, path, rng, _ in server.log[setup_requests:]
                       if method == "GET" and rng and path.endswith(".mp4"))
     return DemoReport(
-        episodes=len(lengths), frames=int(sum(lengths)), cameras=len(cameras),
+        root=root, kept=kept, episodes=len(lengths), frames=int(sum(lengths)), cameras=len(cameras),
         video_files=sum(1 for p in files if p.suffix == ".mp4"),
         dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
         measurement=measurement, requests=server.requests, setup_requests=setup_requests,
