@@ -305,6 +305,30 @@ def test_feature_column_missing_from_a_data_file_is_named(dataset):
     assert stream_failure(dataset) is not None  # training fails on it as well
 
 
+def corrupt_column_page(path: Path, name: str) -> None:
+    """Overwrite the middle of the first data page of column ``name`` (row group 0) with bytes
+    that no codec decodes, leaving the file's footer and every other column intact."""
+    metadata = pq.ParquetFile(path).metadata
+    leaves = [i for i in range(metadata.num_columns)
+              if metadata.schema.column(i).path in (name, f"{name}.list.element")]
+    assert len(leaves) == 1
+    chunk = metadata.row_group(0).column(leaves[0])
+    start = chunk.data_page_offset + chunk.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    data[start : start + 16] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_feature_page_fails_like_streaming_does(dataset):
+    corrupt_column_page(dataset / data(1), "observation.state")
+    failure = stream_failure(dataset)
+    assert failure is not None  # the oracle: training cannot stream these rows
+    checks = doctor(dataset)
+    assert failing(checks) == {"data rows"}
+    problem = " ".join(checks["data rows"].problems)
+    assert data(1) in problem and "observation.state" in problem
+
+
 def test_rows_of_an_unknown_episode_are_named(tmp_path):
     layout = write_layout(tmp_path / "ds", [5, 5], cameras=())
     rewrite_column(layout.root / data(0), "episode_index",

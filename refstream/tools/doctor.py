@@ -78,7 +78,7 @@ from refstream.errors import (
     SidecarInvalid,
     UsageError,
 )
-from refstream.meta import DatasetMeta, index_column, load_meta
+from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
@@ -331,10 +331,12 @@ def _check_rows(source: Source, meta: DatasetMeta,
 
 def _read_row_columns(source: Source, relpath: str, features: list[str],
                       problems: _Problems) -> dict[str, np.ndarray] | None:
-    """The projected columns of one data file as numpy arrays, or None after adding a problem.
+    """The row columns of one data file as numpy arrays, or None after adding a problem.
 
-    A feature of ``info.json`` missing from the file is a problem too: a sample carries every
-    non-video feature, so training would fail on the first row it reads from this file.
+    Every feature column is read and converted the way streaming converts it
+    (:func:`~refstream.meta.column_array`), so a page that does not decode, a null or a ragged
+    list is named here, not met in training. A feature of ``info.json`` missing from the file is
+    a problem too: a sample carries every non-video feature.
     """
     try:
         parquet = pq.ParquetFile(RangeFile(source, relpath))
@@ -348,20 +350,31 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
             problems.add(f"{relpath}: missing column(s) {missing}")
             return None
         wanted = [*ROW_COLUMNS, *([TASK_COLUMN] if TASK_COLUMN in names else [])]
-        # One thread: reads go through a Python file object, and Arrow's thread pool can abort
-        # or hang the interpreter at exit after such reads (apache/arrow#34314, #50482).
-        table = parquet.read(columns=wanted, use_threads=False)
+        wanted += [key for key in features if key in names and key not in wanted]
     except RefstreamError as exc:
         problems.add(f"{relpath}: {type(exc).__name__}: {exc}")
         return None
     except (pa.ArrowException, OSError) as exc:
         problems.add(f"{relpath}: not a readable Parquet file ({exc})")
         return None
-    try:
-        return {name: index_column(table, name, relpath) for name in table.column_names}
-    except DatasetError as exc:
-        problems.add(str(exc))
-        return None
+    columns, broken = {}, False
+    for name in wanted:
+        try:
+            # One thread: reads go through a Python file object, and Arrow's thread pool can
+            # abort or hang the interpreter at exit after such reads (apache/arrow#34314).
+            table = parquet.read(columns=[name], use_threads=False)
+            if name in ROW_COLUMNS or name == TASK_COLUMN:
+                columns[name] = index_column(table, name, relpath)
+            else:
+                column_array(table[name], relpath, name)
+        except RefstreamError as exc:
+            problems.add(str(exc) if isinstance(exc, DatasetError) else
+                         f"{relpath}: column {name!r}: {type(exc).__name__}: {exc}")
+            broken = True
+        except (pa.ArrowException, OSError) as exc:
+            problems.add(f"{relpath}: column {name!r} does not decode ({exc})")
+            broken = True
+    return None if broken and not set(ROW_COLUMNS) <= set(columns) else columns
 
 
 def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
