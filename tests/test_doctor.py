@@ -602,3 +602,14 @@ def test_cli_as_a_process(dataset, tmp_path):
                              "--json"], capture_output=True, text=True, env=env, timeout=60)
     assert broken.returncode == 1
     assert json.loads(broken.stdout)["checks"][0]["status"] == "FAIL"
+
+
+def test_a_hub_root_that_cannot_be_opened_gets_the_report(dataset, monkeypatch, capsys):
+    from rangeserver import HubConfig, RangeServer
+
+    with RangeServer(dataset, hub=HubConfig(revisions={"main": "a" * 40})) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        assert main(["doctor", "hf://datasets/o/n@no-such-branch", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "metadata" in out and "no-such-branch" in out
+    assert "skipped" in out

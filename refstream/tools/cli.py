@@ -452,14 +452,18 @@ def add_doctor(subparsers) -> None:
 def run_doctor(args) -> int:
 
     from refstream.source import open_source
-    from refstream.tools.doctor import check_dataset
+    from refstream.tools.doctor import check_dataset, unreadable
 
-    source = open_source(args.root)
     try:
-        report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
-                               progress=False if args.no_progress else None)
-    finally:
-        source.close()
+        source = open_source(args.root)
+    except RefstreamError as exc:  # e.g. the Hub does not know the revision
+        report = unreadable(args.root, exc)
+    else:
+        try:
+            report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
+                                   progress=False if args.no_progress else None)
+        finally:
+            source.close()
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 

@@ -197,11 +197,7 @@ def check_dataset(
     try:
         meta = load_meta(source)
     except RefstreamError as exc:
-        failed = Check("metadata", False, "cannot load the metadata",
-                       [f"{type(exc).__name__}: {exc}"], 1)
-        skipped = [Check(name, False, "skipped: needs the metadata", skipped=True)
-                   for name in CHECK_NAMES[1:]]
-        return Report(label, [failed, *skipped])
+        return unreadable(label, exc)
     video_relpaths = sidecar.video_relpaths(meta)
     files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index)) + len(video_relpaths)
     with _progress_bar(files, progress) as tick:
@@ -211,6 +207,16 @@ def check_dataset(
         checks += [rows_check, videos_check]
     checks.append(_check_sidecar(source, meta, root, cache_root, indexes))
     return Report(label, checks)
+
+
+def unreadable(label: str, exc: RefstreamError) -> Report:
+    """The report on a dataset whose metadata cannot be read (or whose root cannot be opened):
+    the metadata check fails with the error, every other check is skipped."""
+    failed = Check("metadata", False, "cannot load the metadata",
+                   [f"{type(exc).__name__}: {exc}"], 1)
+    skipped = [Check(name, False, "skipped: needs the metadata", skipped=True)
+               for name in CHECK_NAMES[1:]]
+    return Report(label, [failed, *skipped])
 
 
 @contextmanager
