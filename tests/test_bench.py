@@ -105,6 +105,8 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
                             "refstream-http-uint8", "download-then-read"}
     for name in ("refstream-local", "refstream-http", "refstream-http-uint8"):  # whole epochs
         assert [p["samples"] for p in methods[name]["passes"]] == [frames] * QUICK.repeats
+    for name, method in methods.items():  # memory is measured however short the pass
+        assert all(p["peak_rss_above_bytes"] > 0 for p in method["passes"]), name
     http = methods["refstream-http"]
     # Every (episode, camera) span is fetched once: one video request each, at least its bytes.
     assert http["traffic"]["video_requests"] == QUICK.episodes * QUICK.cameras

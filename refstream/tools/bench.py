@@ -319,11 +319,15 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def sample(self) -> None:
+        """Read RSS/PSS once now (also called at the end of a pass, while its workers live)."""
         me = os.getpid()
+        rss, pss = memory_of([me, *descendants(me)])
+        self.series.append((time.perf_counter() - self._started, rss, pss))
+
+    def _run(self) -> None:
         while True:
-            rss, pss = memory_of([me, *descendants(me)])
-            self.series.append((time.perf_counter() - self._started, rss, pss))
+            self.sample()
             if self._stop.wait(self.interval_s):
                 return
 
@@ -369,6 +373,7 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
             times.append((time.perf_counter() - start, samples))
             if max_batches is not None and len(times) >= max_batches:
                 break
+        sampler.sample()  # a pass shorter than the sampling interval is measured too
     finally:
         del batches  # joins the DataLoader workers, so their CPU time is counted below
     cpu = cpu_seconds() - cpu_before
