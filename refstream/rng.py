@@ -119,7 +119,9 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 def below(n: int, key: int, i: int) -> int:
     """A number in ``[0, n)`` from word ``i`` of ``key``: Lemire's multiply-shift without
-    rejection (SPEC §1.3)."""
+    rejection, for an integer ``1 ≤ n ≤ 2**64`` (else :class:`UsageError`; SPEC §1.3)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MASK64 + 1:
+        raise UsageError(f"below(n) needs an integer n in [1, 2**64], got {n!r}")
     return (u64(key, i) * n) >> 64
 
 

@@ -9,6 +9,7 @@ with ``refstream``: Python integers only, lists instead of heaps and deques, who
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -189,24 +190,63 @@ def _endless():
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
 
 
+def exact_integer(value):
+    """A 64-bit field of the protocol: the integer a decimal string spells, else None."""
+    return int(value) if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value) else None
+
+
+def rng_label(label):
+    """An RNG label of the protocol: ``{"int": decimal}`` or a string; None when refused."""
+    if isinstance(label, str):
+        return label
+    if isinstance(label, dict) and set(label) == {"int"}:
+        value = exact_integer(label["int"])
+        if value is not None and -(2**63) <= value < M64:
+            return value
+    return None
+
+
 def expected_rng(inp: dict) -> dict:
-    if not 0 <= inp["seed"] < M64:
+    seed = 42 if inp["seed"] is None else exact_integer(inp["seed"])
+    labels = [rng_label(label) for label in inp["labels"]]
+    below_n = exact_integer(inp["below_n"])
+    if (seed is None or not 0 <= seed < M64 or None in labels or below_n is None
+            or not 1 <= below_n <= M64 or any(i < 0 for i in inp["permute"])):
         return {"error": "UsageError"}
-    key = key_of(inp["seed"], *inp["labels"])
+    key = key_of(seed, *labels)
+    indices = [exact_integer(i) for i in inp["indices"]]
     return {
         "key": "0x" + format(key, "016x"),
-        "u64": ["0x" + format(word(key, i), "016x") for i in inp["indices"]],
-        "below": [draw_below(inp["below_n"], key, i) for i in inp["indices"]],
+        "u64": ["0x" + format(word(key, i), "016x") for i in indices],
+        "below": [str(draw_below(below_n, key, i)) for i in indices],
         "permutation": keyed_order(key, inp["permute"]),
     }
 
 
+def plan_refused(inp: dict) -> bool:
+    """Whether the inputs break a rule of spec §3.1/§3.4 (UsageError)."""
+    episodes, frames = inp["episodes"], inp["frames"]
+    sizes, budget = inp.get("byte_sizes"), inp.get("byte_budget")
+    seed = 42 if inp["seed"] is None else exact_integer(inp["seed"])
+    return (
+        len(set(episodes)) != len(episodes) or len(frames) != len(episodes)
+        or min(episodes + frames, default=0) < 0 or seed is None or not 0 <= seed < M64
+        or min(inp["epoch"], inp["rank"], inp["worker"]) < 0
+        or inp["strategy"] not in ("pool", "round_robin") or inp["pool_size"] < 1
+        or (sizes is None) != (budget is None)
+        or (budget is not None and (budget < 1 or len(sizes) != len(episodes) or min(sizes) < 0))
+        or not 0 <= inp.get("skip", 0) <= sum(frames)
+    )
+
+
 def expected_plan(inp: dict) -> dict:
+    if plan_refused(inp):
+        return {"error": "UsageError"}
     if inp.get("byte_sizes") is not None:
         for f, s in zip(inp["frames"], inp["byte_sizes"], strict=True):
             if f > 0 and s > inp["byte_budget"]:
                 return {"error": "EpisodeTooLarge"}
-    seed = 42 if inp["seed"] is None else inp["seed"]  # the spec's default seed
+    seed = 42 if inp["seed"] is None else exact_integer(inp["seed"])  # the default seed 42
     steps = plan(inp["episodes"], inp["frames"], seed=seed, epoch=inp["epoch"],
                  rank=inp["rank"], worker=inp["worker"], strategy=inp["strategy"],
                  pool_size=inp["pool_size"], byte_sizes=inp.get("byte_sizes"),
@@ -256,8 +296,15 @@ def expected_shard(inp: dict) -> dict:
 
 def expected_resume(inp: dict) -> dict:
     frames, b, epoch = inp["worker_frames"], inp["batch_size"], inp["epoch"]
-    if inp["samples"] % b:
+    if b < 1:
+        return {"error": "UsageError"}
+    if epoch < 0 or inp["samples"] < 0 or inp["samples"] % b:
         return {"error": "ResumeError"}
+    if not frames or min(frames) < 1:
+        return {"error": "UsageError"}
+    all_batches = sum(-(-f // b) for f in frames)
+    if not inp["repeat"] and not 1 <= inp.get("rank_batches", all_batches) <= all_batches:
+        return {"error": "UsageError"}
     k = inp["samples"] // b
     n = len(frames)
     if inp["repeat"]:
@@ -275,7 +322,7 @@ def expected_resume(inp: dict) -> dict:
         return {"epochs": [e for e, _ in position], "offsets": [i for _, i in position],
                 "stops": [None] * n, "rotation": got[k][0]}
     one_epoch = [range(f) for f in frames]
-    per_epoch = inp.get("rank_batches") or len(dataloader(one_epoch, b))
+    per_epoch = inp.get("rank_batches", len(dataloader(one_epoch, b)))
     whole, k = divmod(k, per_epoch)
     got = dataloader(one_epoch, b)
     offsets, stops = [0] * n, [0] * n
@@ -294,6 +341,8 @@ def expected_epoch_batches(inp: dict) -> dict:
 
 
 def expected_batches_per_worker(inp: dict) -> dict:
+    if inp["batches"] < 0 or not inp["limits"]:
+        return {"error": "UsageError"}
     counts, nxt = replay(inp["batches"], inp["limits"])
     return {"counts": counts, "next": nxt}
 

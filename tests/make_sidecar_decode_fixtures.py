@@ -12,9 +12,10 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
 
-# (name, bits, signed) in the order the spec lists the storage types.
-STORAGE_TYPES = [("u1", 8, False), ("i1", 8, True), ("u2", 16, False), ("i2", 16, True),
-                 ("u4", 32, False), ("i4", 32, True), ("i8", 64, True)]
+# (dtype string, bits, signed) in the order the spec lists the storage types, spelled as the
+# compact file's header spells them (byte order "<" little-endian, "|" not applicable).
+STORAGE_TYPES = [("|u1", 8, False), ("|i1", 8, True), ("<u2", 16, False), ("<i2", 16, True),
+                 ("<u4", 32, False), ("<i4", 32, True), ("<i8", 64, True)]
 
 
 def oracle_frame_select(case: dict) -> dict:
@@ -42,7 +43,7 @@ def oracle_sidecar_storage(case: dict) -> dict:
     if all(v == values[0] for v in values):
         return {"value": values[0]}
     if flags:
-        return {"dtype": "b1"}
+        return {"dtype": "|b1"}
     low, high = min(values), max(values)
     for name, bits, signed in STORAGE_TYPES:
         lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)

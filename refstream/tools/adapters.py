@@ -1,16 +1,19 @@
 """refstream's answers to the conformance kinds (``spec/README.md``): one function per kind,
 each mapping a case's ``input`` to its answer, and :func:`answer`, which the runner calls.
 
-The kinds that read media (``mp4_index``, ``span``, ``synth``) open the file a case names,
-relative to the working directory (the protocol runs implementations inside the fixtures
-folder), else to the fixtures shipped with refstream.
+Inputs arrive in the protocol's encoding (``spec/README.md``, "Encoding"): the adapters decode
+the 64-bit fields written as decimal strings (:func:`decode_u64`, :func:`decode_label`) before
+calling the library, and encode such answers back. The kinds that read media (``mp4_index``,
+``span``, ``synth``) name a file relative to the fixtures folder; :func:`answer` resolves it.
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from refstream.http import (
     FallBack,
     HTTPSource,
     Retry,
+    parse_retry_after,
     plan_range_response,
     plan_suffix_response,
 )
@@ -40,7 +44,7 @@ from refstream.resume import (
     epoch_batches,
     resume_positions,
 )
-from refstream.rng import below, derive_key, permutation, u64
+from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import _storage
 from refstream.synth import select_span, span_of, synthesize, synthesized_size
@@ -48,31 +52,63 @@ from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling, unserved_requests
 from refstream.windows import make_windows, window_rows
 
-# The fixtures shipped with refstream: <repo>/spec/fixtures.
+# The fixtures of a source checkout: <repo>/spec/fixtures (absent from an installed package).
 FIXTURES_DIR = Path(__file__).resolve().parents[2] / "spec" / "fixtures"
 
+# The kinds whose input names a media file (``file``, relative to the fixtures folder).
+MEDIA_KINDS = frozenset({"mp4_index", "span", "synth"})
 
-def answer(kind: str, case_input: dict) -> dict:
-    """refstream's own answer to one case; refstream errors become ``{"error": name}``."""
+
+def answer(kind: str, case_input: dict, fixtures: Path = FIXTURES_DIR) -> dict:
+    """refstream's own answer to one case; refstream errors become ``{"error": name}``.
+    A media file the case names is read from ``fixtures``."""
     adapter = ADAPTERS.get(kind)
     if adapter is None:
         return {"error": f"unknown kind {kind!r}"}
+    if kind in MEDIA_KINDS:
+        case_input = {**case_input, "file": str(Path(fixtures) / case_input["file"])}
     try:
         return adapter(case_input)
     except RefstreamError as exc:
         return {"error": type(exc).__name__}
 
 
+# --- the protocol's 64-bit fields --------------------------------------------------------------
+
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
+def decode_u64(value):
+    """A 64-bit field: a decimal string is that integer and null stays null (no value given).
+    Any other JSON value stands for a value that is not an integer — a number for its binary64
+    value — and is handed on unchanged, for the rule under test to refuse."""
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        return int(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def decode_label(label):
+    """An RNG label: ``{"int": decimal}`` is an integer label, a string is a string label; any
+    other JSON value is handed on (as :func:`decode_u64` does) for :func:`derive_key` to refuse."""
+    if isinstance(label, dict) and set(label) == {"int"}:
+        return decode_u64(label["int"])
+    return label if isinstance(label, str) else decode_u64(label)
+
+
 def kind_rng(case: dict) -> dict:
-    """Conformance kind ``rng``: the key of ``seed`` + ``labels``, its words at ``indices``,
-    ``below(below_n, key, i)`` at the same indices and the permutation of ``permute``. 64-bit
-    words are written as ``"0x"`` + 16 lowercase hex digits."""
-    key = derive_key(case["seed"], *case["labels"])
-    indices = case["indices"]
+    """Conformance kind ``rng``: the key of ``seed`` (null: the default) + ``labels``, its words
+    at ``indices``, ``below(below_n, key, i)`` at the same indices and the permutation of
+    ``permute``. Words are ``"0x"`` + 16 lowercase hex digits, draws decimal strings."""
+    seed = decode_u64(case["seed"])
+    key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
+    indices = [decode_u64(i) for i in case["indices"]]
+    below_n = decode_u64(case["below_n"])
     return {
         "key": f"0x{key:016x}",
         "u64": [f"0x{u64(key, i):016x}" for i in indices],
-        "below": [below(case["below_n"], key, i) for i in indices],
+        "below": [str(below(below_n, key, i)) for i in indices],
         "permutation": permutation(key, case["permute"]).tolist(),
     }
 
@@ -115,7 +151,7 @@ def kind_plan(case: dict) -> dict:
     planner = Planner(
         case["episodes"],
         case["frames"],
-        seed=case["seed"],
+        seed=decode_u64(case["seed"]),
         epoch=case["epoch"],
         rank=case["rank"],
         worker=case["worker"],
@@ -163,8 +199,12 @@ def kind_epoch_batches(case: dict) -> dict:
 def kind_resume_state(case: dict) -> dict:
     """Conformance kind ``resume_state``: parse ``saved`` and check it against ``current`` (a
     setup); the answer is the position it resumes from."""
-    state = ResumeState.from_dict(case["saved"])
-    state.require_setup(ResumeSetup(**case["current"]))
+    saved = dict(case["saved"])
+    if "seed" in saved:
+        saved["seed"] = decode_u64(saved["seed"])
+    state = ResumeState.from_dict(saved)
+    state.require_setup(ResumeSetup(**{**case["current"],
+                                       "seed": decode_u64(case["current"]["seed"])}))
     return {"epoch": state.epoch, "samples": state.samples}
 
 
@@ -257,16 +297,17 @@ def kind_range_response(case: dict) -> dict:
     """Conformance kind ``range_response``: judge a response to ``Range: bytes=first-last``.
 
     Input: ``first``, ``last``, ``status``, ``headers`` (name -> value), ``known_size`` (or
-    null), ``whole_body_cap_bytes``. Answer: ``{"body_bytes", "skip_bytes", "file_size"}`` when
-    the body is to be read, ``{"retry": true, "retry_after_s": x | null}`` when the attempt is
-    to be retried, else the error (``{"error": ClassName}`` via the runner).
+    null), ``whole_body_cap_bytes`` and optionally ``now`` (an HTTP date). Answer:
+    ``{"body_bytes", "skip_bytes", "file_size"}`` when the body is to be read,
+    ``{"retry": true, "retry_after_s": x | null}`` when the attempt is to be retried, else the
+    error (``{"error": ClassName}`` via the runner).
     """
     decision = plan_range_response(
         case["first"], case["last"], case["status"], CaseInsensitiveDict(case["headers"]),
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
         where="case",
     )
-    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"))
+    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"), case)
 
 
 def kind_suffix_response(case: dict) -> dict:
@@ -280,11 +321,17 @@ def kind_suffix_response(case: dict) -> dict:
         case["length"], case["status"], CaseInsensitiveDict(case["headers"]),
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
         where="case",
-    ), ("body_bytes", "skip_bytes", "file_size", "answer_bytes"))
+    ), ("body_bytes", "skip_bytes", "file_size", "answer_bytes"), case)
 
 
-def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...]) -> dict:
-    """A response-judging decision as the fetch kinds answer it (``fields`` of an Accept)."""
+def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...],
+                     case: dict) -> dict:
+    """A response-judging decision as the fetch kinds answer it (``fields`` of an Accept). A
+    case with ``now`` (an HTTP date) fixes the clock a ``Retry-After`` date is measured from."""
+    if isinstance(decision, Retry) and case.get("now") is not None:
+        now = email.utils.parsedate_to_datetime(case["now"])
+        retry_after = CaseInsensitiveDict(case["headers"]).get("Retry-After")
+        return {"retry": True, "retry_after_s": parse_retry_after(retry_after, now)}
     if isinstance(decision, Retry):
         return {"retry": True, "retry_after_s": decision.after_s}
     if isinstance(decision, FallBack):
@@ -372,23 +419,19 @@ def kind_frame_select(case: dict) -> dict:
 def kind_sidecar_storage(case: dict) -> dict:
     """Conformance kind ``sidecar_storage``: how the compact file stores one array.
 
-    Input ``{"values": [int…] | [bool…]}``; answer ``{"value": v}`` for a constant or empty
-    array (empty: ``0``, or ``false`` for flags), else ``{"dtype": "u1"|"i1"|"u2"|"i2"|"u4"|"i4"|
-    "i8"|"b1"}`` (little-endian).
+    Input ``{"values": [int…] | [bool…], "flags": bool (optional)}``; answer ``{"value": v}``
+    for a constant or empty array (empty: ``0``, or ``false`` for flags), else ``{"dtype": D}``
+    with ``D`` the block's dtype string exactly as the compact header spells it (``"|u1"``,
+    ``"<i8"``, ``"|b1"``, …).
     """
     raw = case["values"]
     flags = bool(raw) and all(isinstance(v, bool) for v in raw) or case.get("flags", False)
     block, _ = _storage(np.array(raw, dtype=bool if flags else np.int64))
-    return block if "value" in block else {"dtype": block["dtype"].lstrip("<|")}
-
-
-def media_path(relpath: str) -> Path:
-    here = Path(relpath)
-    return here if here.exists() else FIXTURES_DIR / relpath
+    return block if "value" in block else {"dtype": block["dtype"]}
 
 
 def _media_index(case_input: dict):
-    return parse_index_bytes(media_path(case_input["file"]).read_bytes(), case_input["file"])
+    return parse_index_bytes(Path(case_input["file"]).read_bytes(), case_input["file"])
 
 
 def kind_mp4_index(case_input: dict) -> dict:
@@ -419,7 +462,7 @@ def kind_synth(case_input: dict) -> dict:
     """Kind ``synth``: ``{file, sample_lo, sample_hi}`` → synthesized size and SHA-256."""
     index = _media_index(case_input)
     span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
-    with open(media_path(case_input["file"]), "rb") as f:
+    with open(case_input["file"], "rb") as f:
         f.seek(span.byte_offset)
         data = synthesize(index, span, f.read(span.byte_length))
     return {"synthesized_size": synthesized_size(index, span), "size": len(data),

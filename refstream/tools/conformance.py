@@ -1,15 +1,11 @@
 """Run the golden fixtures in ``spec/fixtures`` against an implementation.
 
-A *case* is one JSON file ``spec/fixtures/<area>/<name>.json``::
-
-    {"kind": "<kind>", "description": "...", "input": {...}, "expected": {...}}
-
-An *implementation* is a command. For each case the runner starts it, writes
-``{"kind": ..., "input": ...}`` as JSON to its standard input and reads one JSON object, the
-answer, from its standard output. The answer passes when it equals ``expected`` exactly (JSON
-values; numbers compare by value, so ``1`` equals ``1.0``). An expected error is written
-``{"error": "<ClassName>"}`` with a class name from ``refstream.errors``; an implementation in
-another language answers with the same name.
+The protocol, the encoding and the case format are specified in ``spec/README.md``; the kinds
+and their schemas in ``spec/SPEC.md``. In short: a *case* is one JSON file
+``<fixtures>/<area>/<name>.json`` holding ``{"kind", "description", "input", "expected"}``; an
+*implementation* is a command, started once per case inside the fixtures folder, that reads
+``{"kind", "input"}`` from its standard input and writes its answer, one JSON object, to its
+standard output. The answer passes when it equals ``expected`` (:func:`first_difference`).
 
 refstream's own adapter (``python -m refstream.tools.conformance``) is the default
 implementation; with no ``--impl`` the runner calls the same adapter functions in-process,
@@ -20,9 +16,10 @@ Usage::
     refstream conformance                      # refstream itself
     refstream conformance --impl "./my-impl"   # any command speaking the protocol
     refstream conformance --kind plan          # only cases of one kind
+    refstream conformance --fixtures PATH      # the spec/fixtures folder of a source checkout
 
-The runner prints one line per failing case with the first difference and ends with
-``N passed, N failed``.
+The fixtures are part of refstream's source, not of the installed package: an installed
+refstream needs ``--fixtures`` (:func:`fixtures_folder` says so when they are missing).
 """
 
 from __future__ import annotations
@@ -35,9 +32,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from refstream.errors import UsageError
 from refstream.tools.adapters import ADAPTERS, FIXTURES_DIR, answer
 
-__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "load_cases", "run", "via_command", "in_process"]
+__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_cases", "run",
+           "via_command", "in_process"]
 
 # A case that makes an implementation run longer than this fails instead of hanging the runner.
 CASE_TIMEOUT_S = 120
@@ -49,6 +48,7 @@ class Case:
     kind: str
     input: dict
     expected: dict
+    root: Path  # the fixtures folder: media paths in ``input`` are relative to it
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,30 @@ class Outcome:
     difference: str | None  # None when the answer equals the expectation
 
 
+def fixtures_folder(path: str | Path | None = None) -> Path:
+    """The fixtures folder to run: ``path``, else the source checkout's ``spec/fixtures``.
+    :class:`UsageError` when it holds no case, saying where the fixtures come from."""
+    root = Path(path) if path is not None else FIXTURES_DIR
+    if not root.is_dir() or not any(root.rglob("*.json")):
+        where = f"--fixtures {path}" if path is not None else f"the default {root}"
+        raise UsageError(
+            f"no conformance cases in {where}: the fixtures are the spec/fixtures folder of "
+            "refstream's source (they are not installed with the package); pass "
+            "--fixtures PATH/TO/spec/fixtures"
+        )
+    return root
+
+
 def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list[Case]:
     """Every case under ``root`` (sorted by path), optionally only those of one kind."""
     cases = []
     for path in sorted(root.rglob("*.json")):
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(document, dict) or "kind" not in document:
             continue  # descriptions of media files and other JSON live beside the cases
         if kind is None or document["kind"] == kind:
-            cases.append(Case(path, document["kind"], document["input"], document["expected"]))
+            cases.append(Case(path, document["kind"], document["input"], document["expected"],
+                              root))
     return cases
 
 
@@ -102,7 +117,8 @@ def _short(value) -> str:
 
 def in_process(case: Case) -> dict:
     """Ask refstream's own adapter, through the same JSON round trip as the protocol."""
-    return json.loads(json.dumps(answer(case.kind, json.loads(json.dumps(case.input)))))
+    reply = answer(case.kind, json.loads(json.dumps(case.input)), case.root)
+    return json.loads(json.dumps(reply))
 
 
 def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case], dict]:
@@ -110,13 +126,14 @@ def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case],
     argv = shlex.split(command)
 
     def ask(case: Case) -> dict:
-        request = json.dumps({"kind": case.kind, "input": case.input})
+        request = json.dumps({"kind": case.kind, "input": case.input}, ensure_ascii=False)
         try:
             done = subprocess.run(
                 argv,
                 input=request,
                 capture_output=True,
                 text=True,
+                encoding="utf-8",
                 timeout=CASE_TIMEOUT_S,
                 cwd=fixtures,
             )
@@ -138,9 +155,11 @@ def run(cases: list[Case], ask: Callable[[Case], dict]) -> Iterator[Outcome]:
 
 
 def main_adapter() -> int:
-    """The protocol end of refstream's adapter: one case on stdin, one answer on stdout."""
-    request = json.load(sys.stdin)
-    json.dump(answer(request["kind"], request["input"]), sys.stdout)
+    """The protocol end of refstream's adapter: one case on stdin, one answer on stdout; run
+    inside the fixtures folder."""
+    request = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    reply = json.dumps(answer(request["kind"], request["input"], Path.cwd()))
+    sys.stdout.buffer.write(reply.encode("utf-8"))
     return 0
 
 
