@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ VIDEO_COLUMNS = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
 # Placeholders each template may (and must) use.
 DATA_FIELDS = frozenset({"chunk_index", "file_index"})
 VIDEO_FIELDS = frozenset({"video_key", "chunk_index", "file_index"})
+# The one format spec a placeholder may carry (SPEC §4.2): zero-padding an index to a width.
+INDEX_FIELDS = frozenset({"chunk_index", "file_index"})
+_ZERO_PADDED = re.compile(r"0[1-9][0-9]*d")
 
 
 class Source(Protocol):
@@ -307,10 +311,12 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
     for _, field, spec, conversion in parsed:
         if field is None:
             continue
-        if field not in fields or conversion is not None or "{" in (spec or ""):
+        padded = field in INDEX_FIELDS and _ZERO_PADDED.fullmatch(spec)
+        if field not in fields or conversion is not None or not (spec == "" or padded):
             raise MalformedDataset(
-                f"{INFO_PATH}: {name} {template!r} has placeholder {{{field}}}; "
-                f"allowed are {sorted(fields)} with a plain format spec"
+                f"{INFO_PATH}: {name} {template!r}: placeholder {field!r} is not allowed as "
+                f"written; allowed are {sorted(fields)} as {{name}}, an index also as "
+                "{name:0Nd} (e.g. {chunk_index:03d})"
             )
         used.add(field)
     if used != fields:

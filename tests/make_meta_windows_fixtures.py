@@ -152,6 +152,23 @@ WINDOWS = {
         "An anchor frame equal to the episode length: UsageError",
         dict(delta_timestamps={"action": [0.0]}, fps=30, tolerance_s=1e-4, length=5, frames=[4, 5]),
     ),
+    "error-fps-not-an-integer": (
+        "fps 29.97 is not an integer: UsageError",
+        dict(delta_timestamps={"action": [0.0]}, fps=29.97, tolerance_s=1e-4, length=5, frames=[0]),
+    ),
+    "error-negative-tolerance": (
+        "A negative tolerance: UsageError",
+        dict(delta_timestamps={"action": [0.0]}, fps=30, tolerance_s=-1e-4, length=5, frames=[0]),
+    ),
+    "error-delta-boolean": (
+        "A delta that is a boolean, not a number: UsageError",
+        dict(delta_timestamps={"action": [0.0, True]}, fps=30, tolerance_s=1e-4, length=5,
+             frames=[0]),
+    ),
+    "error-deltas-not-a-list": (
+        "A key whose value is a number, not a list: UsageError",
+        dict(delta_timestamps={"action": 0.1}, fps=10, tolerance_s=1e-4, length=5, frames=[0]),
+    ),
 }
 
 
@@ -379,8 +396,119 @@ def meta_cases() -> dict[str, tuple[str, dict, dict | None]]:
             {**base, "select": [1, 3]},
             "EpisodeSelectionError",
         ),
+        "selection-not-an-integer": (
+            "episodes=[0, 1.5]: EpisodeSelectionError",
+            {**base, "select": [0, 1.5]},
+            "EpisodeSelectionError",
+        ),
+        "selection-boolean": (
+            "episodes=[true]: a boolean is not an episode id: EpisodeSelectionError",
+            {**base, "select": [True]},
+            "EpisodeSelectionError",
+        ),
+        "unsupported-storage-format-null": (
+            "storage_format null is a value other than parquet: UnsupportedDataset",
+            with_info(base, storage_format=None),
+            "UnsupportedDataset",
+        ),
+        "valid-storage-format-parquet": (
+            "storage_format parquet, written out",
+            with_info(base, storage_format="parquet"),
+            None,
+        ),
+        "malformed-float-episode-index": (
+            "episode_index stored as float64 (0.0, 1.0, 2.0): MalformedDataset",
+            with_type(base, ep0, "episode_index", "float64"),
+            "MalformedDataset",
+        ),
+        "malformed-float-length": (
+            "length stored as float64: MalformedDataset",
+            with_type(base, ep0, "length", "float64"),
+            "MalformedDataset",
+        ),
+        "valid-integer-timestamps": (
+            "from_timestamp and to_timestamp stored as int64 seconds are read as seconds",
+            with_type(
+                with_column(
+                    with_column(base, ep0, f"videos/{CAM}/from_timestamp", [0, 1, 1]),
+                    ep0, f"videos/{CAM}/to_timestamp", [1, 1, 2]),
+                ep0, f"videos/{CAM}/from_timestamp", "int64", f"videos/{CAM}/to_timestamp"),
+            None,
+        ),
+        "malformed-fps-written-as-float": (
+            "info.json (given as text) writes fps as 10.0, a number with a fraction part: "
+            "MalformedDataset",
+            info_text(base, '"fps": 10', '"fps": 10.0'),
+            "MalformedDataset",
+        ),
+        "malformed-fps-fraction": (
+            "fps 12.5: MalformedDataset",
+            with_info(base, fps=12.5),
+            "MalformedDataset",
+        ),
+        "malformed-template-space-padded": (
+            "{chunk_index:3d} pads with spaces, outside the template subset: MalformedDataset",
+            with_info(base, data_path="data/chunk-{chunk_index:3d}/file-{file_index:03d}.parquet"),
+            "MalformedDataset",
+        ),
+        "malformed-template-hex": (
+            "{chunk_index:x} (hexadecimal) is outside the template subset: MalformedDataset",
+            with_info(base, data_path="data/chunk-{chunk_index:x}/file-{file_index:03d}.parquet"),
+            "MalformedDataset",
+        ),
+        "malformed-template-no-type": (
+            "{file_index:03} (no d) is outside the template subset: MalformedDataset",
+            with_info(base, data_path="data/chunk-{chunk_index:03d}/file-{file_index:03}.parquet"),
+            "MalformedDataset",
+        ),
+        "malformed-template-zero-width": (
+            "{chunk_index:00d} (width 0) is outside the template subset: MalformedDataset",
+            with_info(base, data_path="data/chunk-{chunk_index:00d}/file-{file_index:03d}.parquet"),
+            "MalformedDataset",
+        ),
+        "malformed-template-padded-video-key": (
+            "{video_key:>30} is outside the template subset (video_key takes no spec): "
+            "MalformedDataset",
+            with_info(base, video_path="videos/{video_key:>30}/{chunk_index:03d}/{file_index}.mp4"),
+            "MalformedDataset",
+        ),
+        "malformed-template-conversion": (
+            "{chunk_index!s} (a conversion) is outside the template subset: MalformedDataset",
+            with_info(base, data_path="data/{chunk_index!s}/{file_index}.parquet"),
+            "MalformedDataset",
+        ),
+        "malformed-template-positional": (
+            "{} (a positional field) is not a placeholder: MalformedDataset",
+            with_info(base, data_path="data/{}/{chunk_index}/{file_index}.parquet"),
+            "MalformedDataset",
+        ),
+        "valid-template-wide-padding-and-braces": (
+            "{chunk_index:010d}, {file_index:01d} and escaped braces {{ }} (a literal {v3})",
+            with_info(
+                base,
+                data_path="data/{{v3}}/chunk-{chunk_index:010d}/file-{file_index:01d}.parquet",
+            ),
+            None,
+        ),
     }
     return cases
+
+
+def with_type(case: dict, path: str, name: str, column_type: str, *more: str) -> dict:
+    """The case with the Parquet column ``name`` (and ``more``) stored as ``column_type``."""
+    case = copy.deepcopy(case)
+    for column in (name, *more):
+        case["files"][path]["parquet"][column]["type"] = column_type
+    return case
+
+
+def info_text(case: dict, old: str, new: str) -> dict:
+    """The case with info.json given as text: its JSON with ``old`` replaced by ``new``."""
+    case = copy.deepcopy(case)
+    text = json.dumps(case["files"]["meta/info.json"]["json"])
+    assert text.count(old) == 1
+    case["files"]["meta/info.json"] = {"text": text.replace(old, new)}
+    return case
 
 
 def write(area: str, name: str, kind: str, description: str, case_input: dict, expected: dict):
@@ -391,7 +519,7 @@ def write(area: str, name: str, kind: str, description: str, case_input: dict, e
 
 
 def main() -> None:
-    for name, (description, case_input) in WINDOWS.items():
+    for name, (description, case_input) in WINDOWS.items():  # errors: the oracle refuses too
         write("windows", name, "windows", description, case_input, oracle_answer(case_input))
     for name, (description, case_input, error) in meta_cases().items():
         expected = {"error": error} if error else derive_meta_answer(case_input)

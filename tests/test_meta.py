@@ -390,6 +390,23 @@ ERROR_REASONS = {
     "unsupported-image-feature": "'observation.images.top' has dtype 'image'",
     "unsupported-lance": "storage_format 'lance'",
     "unsupported-v2.1": "v2.1 dataset",
+    "malformed-float-episode-index": "column 'episode_index' has type double",
+    "malformed-float-length": "column 'length' has type double",
+    "malformed-fps-fraction": "fps must be an integer >= 1, got 12.5",
+    "malformed-fps-written-as-float": "fps must be an integer >= 1, got 10.0",
+    "malformed-template-conversion": "{chunk_index!s}/{file_index}.parquet': placeholder 'chunk",
+    "malformed-template-hex": "{chunk_index:x}/file-{file_index:03d}.parquet': placeholder 'chunk",
+    "malformed-template-no-type": "{file_index:03}.parquet': placeholder 'file_index'",
+    "malformed-template-padded-video-key": "{video_key:>30}/{chunk_index:03d}/{file_index}.mp4': "
+    "placeholder 'video_key'",
+    "malformed-template-positional": "{}/{chunk_index}/{file_index}.parquet': placeholder ''",
+    "malformed-template-space-padded": "{chunk_index:3d}/file-{file_index:03d}.parquet': "
+    "placeholder 'chunk_index'",
+    "malformed-template-zero-width": "{chunk_index:00d}/file-{file_index:03d}.parquet': "
+    "placeholder 'chunk_index'",
+    "selection-boolean": "must be integers, got [True]",
+    "selection-not-an-integer": "must be integers, got [1.5]",
+    "unsupported-storage-format-null": "unknown storage_format None",
 }
 
 

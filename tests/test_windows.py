@@ -67,9 +67,16 @@ def oracle_items(lengths: list[int], offsets: list[int]) -> list[tuple[list[int]
 def oracle_answer(case: dict) -> dict:
     """The expected answer of a ``windows`` conformance case, from the oracle alone."""
     keys = case.get("feature_keys")
+    fps, tolerance_s = case["fps"], case["tolerance_s"]
+    if type(fps) is not int or fps < 1 or type(tolerance_s) not in (int, float) or not (
+        0 <= tolerance_s < math.inf
+    ):
+        return {"error": "UsageError"}
     offsets = {}
     for key, deltas in case["delta_timestamps"].items():
-        if (keys is not None and key not in keys) or not deltas:
+        if (keys is not None and key not in keys) or type(deltas) is not list or not deltas:
+            return {"error": "UsageError"}
+        if any(type(d) not in (int, float) or not math.isfinite(d) for d in deltas):
             return {"error": "UsageError"}
         found = oracle_offsets(deltas, case["fps"], case["tolerance_s"])
         if found is None:
