@@ -276,6 +276,9 @@ def expected_plan(inp: dict) -> dict:
 
 def expected_shard(inp: dict) -> dict:
     ids, frames = inp["episodes"], inp["frames"]
+    if (min(inp["world_size"], inp["num_workers"]) < 1 or len(set(ids)) != len(ids)
+            or min(frames, default=0) < 0):
+        return {"error": "UsageError"}
     count = dict(zip(ids, frames, strict=True))
     ranks = lpt(ids, frames, inp["world_size"])
     if any(not r for r in ranks):

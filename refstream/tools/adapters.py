@@ -118,7 +118,9 @@ def kind_shard(case: dict) -> dict:
     ``world_size`` ranks and its split over ``num_workers`` workers, with frame totals."""
     ids, frames = case["episodes"], case["frames"]
     count = dict(zip(ids, frames, strict=True))
-    ranks = [rank_share(ids, frames, r, case["world_size"]) for r in range(case["world_size"])]
+    # max(1, …): a world size of 0 reaches rank_share, which refuses it (SPEC §2.2).
+    ranks = [rank_share(ids, frames, r, case["world_size"])
+             for r in range(max(1, case["world_size"]))]
     workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
     return {
         "ranks": ranks,
