@@ -339,6 +339,8 @@ def expected_resume(inp: dict) -> dict:
 
 def expected_epoch_batches(inp: dict) -> dict:
     b = inp["batch_size"]
+    if b < 1 or not inp["world_worker_frames"]:
+        return {"error": "UsageError"}
     return {"batches": min(len(dataloader([range(f) for f in rank], b))
                            for rank in inp["world_worker_frames"])}
 
