@@ -1,29 +1,52 @@
-"""The conformance runner: every golden fixture passes through refstream's own adapter (in
-process and through the stdin/stdout protocol), and a deliberately broken adapter fails every
-case with a first-difference message."""
+"""The conformance runner and the suite itself: every golden fixture passes through refstream's
+own adapter (in process and through the stdin/stdout protocol); a deliberately broken
+implementation fails every case; every case survives a JavaScript-style JSON parser (the
+encoding of spec/README.md); every reference video has its expected table; the runner says
+clearly where the fixtures are when they are missing."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from broken_adapter import corrupt
 
+from refstream.errors import UsageError
 from refstream.tools import conformance
 
 CASES = conformance.load_cases()
 TESTS_DIR = Path(__file__).resolve().parent
+FIXTURES = conformance.FIXTURES_DIR
+EXACT_JSON_INTEGERS = 2**53  # a binary64 holds every integer of smaller magnitude exactly
 
 
-def test_the_suite_is_not_empty_and_every_kind_has_an_adapter():
-    assert len(CASES) >= 40
-    assert {case.kind for case in CASES} <= set(conformance.ADAPTERS)
+def case_id(case):
+    return str(case.path.relative_to(FIXTURES))
 
 
-@pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: str(c.path.relative_to(conformance.FIXTURES_DIR))
-)
+def test_the_suite_is_large_and_every_kind_has_an_adapter():
+    assert len(CASES) >= 240
+    assert {case.kind for case in CASES} == set(conformance.ADAPTERS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_refstream_passes_every_fixture(case):
     assert conformance.first_difference(case.expected, conformance.in_process(case)) is None
+
+
+def test_a_broken_implementation_fails_every_case():
+    # The broken adapter answers like refstream, then changes the first number (or drops an
+    # expected error): a near miss, which the runner must report for every single case.
+    passing = [case_id(c) for c in CASES
+               if conformance.first_difference(c.expected, broken_answer(c)) is None]
+    assert passing == []
+
+
+def broken_answer(case):
+    reply = conformance.in_process(case)
+    return {} if "error" in reply else corrupt(reply)[0]
 
 
 def test_the_protocol_command_gives_the_same_answers():
@@ -34,7 +57,7 @@ def test_the_protocol_command_gives_the_same_answers():
         assert outcome.difference is None, (outcome.case.path, outcome.difference)
 
 
-def test_a_broken_implementation_fails_with_the_first_difference():
+def test_a_broken_command_fails_with_the_first_difference():
     command = f"{sys.executable} {TESTS_DIR / 'broken_adapter.py'}"
     one_per_kind = list({case.kind: case for case in CASES}.values())
     outcomes = list(conformance.run(one_per_kind, conformance.via_command(command)))
@@ -44,7 +67,7 @@ def test_a_broken_implementation_fails_with_the_first_difference():
 
 def test_the_cli_prints_failures_and_the_summary_line():
     command = f"{sys.executable} {TESTS_DIR / 'broken_adapter.py'}"
-    kind = CASES[0].kind
+    kind = "budget_ops"
     done = subprocess.run(
         [sys.executable, "-m", "refstream", "conformance", "--impl", command, "--kind", kind],
         capture_output=True,
@@ -64,4 +87,84 @@ def test_first_difference_names_the_path():
         ".anchors[1][1]: expected 3, got 4"
     )
     assert conformance.first_difference({"a": True}, {"a": 1}) == ".a: expected true, got 1"
+    assert conformance.first_difference({"a": 7.0}, {"a": 7}) is None
     assert "missing" in conformance.first_difference({"a": 1}, {})
+    assert "unexpected key" in conformance.first_difference({}, {"a": 1})
+    assert conformance.first_difference({"error": "ShardingError"}, {"error": "UsageError"})
+
+
+# --- the encoding ----------------------------------------------------------------------------
+
+
+def javascript_number(text: str):
+    """A JSON number as JavaScript's JSON.parse holds it (one binary64), handed to Python as an
+    int when it is integral, as JavaScript's Number.isInteger would say: 1 and 1.0 alike."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_every_case_survives_a_javascript_json_parser(case):
+    text = json.dumps({"input": case.input, "expected": case.expected})
+    seen = json.loads(text, parse_int=javascript_number, parse_float=javascript_number)
+    ask = conformance.Case(case.path, case.kind, seen["input"], seen["expected"], case.root)
+    assert conformance.first_difference(case.expected, conformance.in_process(ask)) is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_integers_a_double_cannot_hold_travel_as_strings(case):
+    def numbers(value):
+        if isinstance(value, dict):
+            for item in value.values():
+                yield from numbers(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from numbers(item)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            yield value
+
+    found = [*numbers(case.input), *numbers(case.expected)]
+    assert all(abs(v) < EXACT_JSON_INTEGERS for v in found)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_the_javascript_example_passes_every_rng_case():
+    # spec/example/rng.mjs, written from SPEC alone, reads every case with JSON.parse.
+    rng_cases = [case for case in CASES if case.kind == "rng"]
+    ask = conformance.via_command("node ../example/rng.mjs")
+    assert [o.difference for o in conformance.run(rng_cases, ask)] == [None] * len(rng_cases)
+
+
+# --- the fixtures themselves -------------------------------------------------------------------
+
+
+def test_every_reference_video_has_its_expected_table():
+    tables = {case.input["file"] for case in CASES if case.kind == "mp4_index"}
+    videos = {str(path.relative_to(FIXTURES)) for path in FIXTURES.rglob("*.mp4")}
+    assert videos - tables == set()
+
+
+def test_the_runner_says_where_the_fixtures_are_when_they_are_missing(tmp_path):
+    with pytest.raises(UsageError, match="--fixtures"):
+        conformance.fixtures_folder(tmp_path / "nowhere")
+    with pytest.raises(UsageError, match="not installed with the package"):
+        conformance.fixtures_folder(tmp_path)  # a folder without cases
+    assert conformance.fixtures_folder(FIXTURES) == FIXTURES
+    done = subprocess.run(
+        [sys.executable, "-m", "refstream", "conformance", "--fixtures", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 2
+    assert "--fixtures PATH/TO/spec/fixtures" in done.stderr
+
+
+def test_a_copied_fixtures_folder_runs_from_anywhere(tmp_path):
+    # An installed refstream runs a fixtures folder wherever it lies, media included.
+    copy = tmp_path / "fixtures"
+    shutil.copytree(FIXTURES / "mp4", copy / "mp4")
+    shutil.copytree(FIXTURES / "synth", copy / "synth")
+    cases = conformance.load_cases(conformance.fixtures_folder(copy))
+    assert cases and all(c.root == copy for c in cases)
+    assert [o.difference for o in conformance.run(cases, conformance.in_process)] == [None] * len(
+        cases
+    )
