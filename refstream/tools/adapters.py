@@ -98,9 +98,7 @@ def decode_label(label):
 
 
 def kind_rng(case: dict) -> dict:
-    """Conformance kind ``rng``: the key of ``seed`` (null: the default) + ``labels``, its words
-    at ``indices``, ``below(below_n, key, i)`` at the same indices and the permutation of
-    ``permute``. Words are ``"0x"`` + 16 lowercase hex digits, draws decimal strings."""
+    """Kind ``rng`` (SPEC §1.4)."""
     seed = decode_u64(case["seed"])
     key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
     indices = [decode_u64(i) for i in case["indices"]]
@@ -114,8 +112,7 @@ def kind_rng(case: dict) -> dict:
 
 
 def kind_shard(case: dict) -> dict:
-    """Conformance kind ``shard``: every rank's share of ``episodes``/``frames`` over
-    ``world_size`` ranks and its split over ``num_workers`` workers, with frame totals."""
+    """Kind ``shard`` (SPEC §2.4)."""
     ids, frames = case["episodes"], case["frames"]
     count = dict(zip(ids, frames, strict=True))
     # max(1, …): a world size of 0 reaches rank_share, which refuses it (SPEC §2.2).
@@ -131,7 +128,7 @@ def kind_shard(case: dict) -> dict:
 
 
 def kind_limits(case: dict) -> dict:
-    """Conformance kind ``limits``: :func:`split_limits` of the case's per-rank settings."""
+    """Kind ``limits`` (SPEC §2.4)."""
     limits = split_limits(
         case["num_workers"],
         pool_size=case["pool_size"],
@@ -147,9 +144,7 @@ def kind_limits(case: dict) -> dict:
 
 
 def kind_plan(case: dict) -> dict:
-    """Conformance kind ``plan``: one worker's anchors after skipping ``skip`` (default 0), the
-    ``frontier`` (k = ``frontier``, default 0) right after the skip, and every admission and
-    eviction of the epoch in order."""
+    """Kind ``plan`` (SPEC §3.8)."""
     planner = Planner(
         case["episodes"],
         case["frames"],
@@ -170,13 +165,13 @@ def kind_plan(case: dict) -> dict:
 
 
 def kind_batches_per_worker(case: dict) -> dict:
-    """Conformance kind ``batches_per_worker``: ``counts`` and ``next`` of the replay."""
+    """Kind ``batches_per_worker`` (SPEC §3.8)."""
     counts, next_worker = batches_per_worker(case["batches"], case["limits"])
     return {"counts": counts, "next": next_worker}
 
 
 def kind_resume(case: dict) -> dict:
-    """Conformance kind ``resume``: :func:`resume_positions` of the case."""
+    """Kind ``resume`` (SPEC §3.8)."""
     positions = resume_positions(
         case["worker_frames"],
         case["batch_size"],
@@ -194,13 +189,12 @@ def kind_resume(case: dict) -> dict:
 
 
 def kind_epoch_batches(case: dict) -> dict:
-    """Conformance kind ``epoch_batches``: the batches every rank yields in a finite epoch."""
+    """Kind ``epoch_batches`` (SPEC §3.8)."""
     return {"batches": epoch_batches(case["world_worker_frames"], case["batch_size"])}
 
 
 def kind_resume_state(case: dict) -> dict:
-    """Conformance kind ``resume_state``: parse ``saved`` and check it against ``current`` (a
-    setup); the answer is the position it resumes from."""
+    """Kind ``resume_state`` (SPEC §3.8). Both seeds are 64-bit fields."""
     saved = dict(case["saved"])
     if "seed" in saved:
         saved["seed"] = decode_u64(saved["seed"])
@@ -221,15 +215,7 @@ CASE_COLUMN_TYPES = {
 
 
 def kind_meta(case: dict) -> dict:
-    """Conformance adapter of kind ``meta``.
-
-    Input ``{"files": {relpath: file}, "select": [int] | null (optional)}`` where a file is
-    ``{"json": value}``, ``{"text": str}`` or
-    ``{"parquet": {column: {"type": T, "values": [...]}}}`` with T one of
-    :data:`CASE_COLUMN_TYPES` (written as one Parquet file with one row group). The answer lists
-    the loaded metadata per episode (see ``spec/SPEC.md`` §4) and, when ``select`` is
-    present, ``selection``.
-    """
+    """Kind ``meta`` (SPEC §4.6): the case's files become the dataset's bytes."""
     meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))
     ids = [int(e) for e in meta.episode_index]
     answer = {
@@ -270,11 +256,7 @@ def _case_file(description: dict) -> bytes:
 
 
 def kind_windows(case: dict) -> dict:
-    """Conformance adapter of kind ``windows``.
-
-    Input ``{delta_timestamps, fps, tolerance_s, length, frames, feature_keys?}``; answer
-    ``{offsets: {key: [int]}, rows: {key: [[int] per frame]}, is_pad: {key: [[bool] per frame]}}``.
-    """
+    """Kind ``windows`` (SPEC §5.3)."""
     windows = make_windows(
         case["delta_timestamps"],
         case["fps"],
@@ -296,14 +278,7 @@ def kind_windows(case: dict) -> dict:
 
 
 def kind_range_response(case: dict) -> dict:
-    """Conformance kind ``range_response``: judge a response to ``Range: bytes=first-last``.
-
-    Input: ``first``, ``last``, ``status``, ``headers`` (name -> value), ``known_size`` (or
-    null), ``whole_body_cap_bytes`` and optionally ``now`` (an HTTP date). Answer:
-    ``{"body_bytes", "skip_bytes", "file_size"}`` when the body is to be read,
-    ``{"retry": true, "retry_after_s": x | null}`` when the attempt is to be retried, else the
-    error (``{"error": ClassName}`` via the runner).
-    """
+    """Kind ``range_response`` (SPEC §8.7)."""
     decision = plan_range_response(
         case["first"], case["last"], case["status"], CaseInsensitiveDict(case["headers"]),
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
@@ -313,12 +288,7 @@ def kind_range_response(case: dict) -> dict:
 
 
 def kind_suffix_response(case: dict) -> dict:
-    """Conformance kind ``suffix_response``: judge a response to ``Range: bytes=-length``.
-
-    Input: ``length``, ``status``, ``headers``, ``known_size`` (or null),
-    ``whole_body_cap_bytes``. Answer as for ``range_response``, plus ``answer_bytes``; or
-    ``{"fallback": true}`` when the size and a plain range are to be asked instead.
-    """
+    """Kind ``suffix_response`` (SPEC §8.7)."""
     return _decision_answer(plan_suffix_response(
         case["length"], case["status"], CaseInsensitiveDict(case["headers"]),
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
@@ -342,12 +312,7 @@ def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...
 
 
 def kind_hf_url(case: dict) -> dict:
-    """Conformance kind ``hf_url``: the URLs an ``hf://`` root maps to.
-
-    Input: ``root``, ``endpoint``, ``relpath`` and ``commit`` (what the Hub's revision API
-    answers, used only when a branch or tag needs pinning). Answer: ``revision_api_url`` (null
-    when nothing is pinned), ``url`` of ``relpath`` and its ``identity`` (null for buckets).
-    """
+    """Kind ``hf_url`` (SPEC §8.7)."""
     hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
     api_url = hf.revision_api_url(endpoint)
     commit = case["commit"] if api_url is not None else hf.revision
@@ -359,22 +324,13 @@ def kind_hf_url(case: dict) -> dict:
 
 
 def kind_row_group_candidates(case: dict) -> dict:
-    """Conformance kind ``row_group_candidates``: :func:`candidate_row_groups` of
-    ``stats`` (a list of ``[min, max]`` or null per row group) for ``episode``."""
+    """Kind ``row_group_candidates`` (SPEC §8.7)."""
     stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
     return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
 
 
 def kind_budget_ops(case: dict) -> dict:
-    """Conformance kind ``budget_ops``: replay ``ops`` on a ``ByteBudget(budget_bytes)``.
-
-    Each op is ``[name, episode]`` or ``[name, episode, bytes]`` with name one of
-    ``try_reserve`` / ``acquire`` (bytes = size; ``acquire`` never waits here), ``release``,
-    ``claim_fetch``, ``mark_resident`` (bytes = payload), ``mark_fetched``, ``forget``,
-    ``close``. Per op the answer lists the call's result (true/false, null for calls without
-    one, or ``{"error": ClassName}``) and the episodes it evicted; then the final LRU order and
-    counters.
-    """
+    """Kind ``budget_ops`` (SPEC §8.7); ``acquire`` gets a zero timeout, so it never waits."""
     budget = ByteBudget(case["budget_bytes"])
     calls = {
         "try_reserve": lambda e, n: budget.try_reserve(e, n),
@@ -405,12 +361,7 @@ def kind_budget_ops(case: dict) -> dict:
 
 
 def kind_frame_select(case: dict) -> dict:
-    """Conformance kind ``frame_select``: the selection rule alone, no video.
-
-    Input ``{"pts": [ticks…], "time_base": [num, den], "times_s": [...], "tolerance_s": x}``
-    (pts in any order, distinct); answer ``{"pts": [chosen pts per request]}``. A time base
-    ``num/den`` counts ``pts · num`` ticks of timescale ``den``.
-    """
+    """Kind ``frame_select`` (SPEC §10.8)."""
     num, den = case["time_base"]
     pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
     chosen = select_frames(pts_ticks * num, den, np.array(case["times_s"], dtype=np.float64),
@@ -419,13 +370,7 @@ def kind_frame_select(case: dict) -> dict:
 
 
 def kind_sidecar_storage(case: dict) -> dict:
-    """Conformance kind ``sidecar_storage``: how the compact file stores one array.
-
-    Input ``{"values": [int…] | [bool…], "flags": bool (optional)}``; answer ``{"value": v}``
-    for a constant or empty array (empty: ``0``, or ``false`` for flags), else ``{"dtype": D}``
-    with ``D`` the block's dtype string exactly as the compact header spells it (``"|u1"``,
-    ``"<i8"``, ``"|b1"``, …).
-    """
+    """Kind ``sidecar_storage`` (SPEC §10.4)."""
     raw = case["values"]
     flags = bool(raw) and all(isinstance(v, bool) for v in raw) or case.get("flags", False)
     block, _ = _storage(np.array(raw, dtype=bool if flags else np.int64))
@@ -437,7 +382,7 @@ def _media_index(case_input: dict):
 
 
 def kind_mp4_index(case_input: dict) -> dict:
-    """Kind ``mp4_index``: ``{file}`` → the index arrays in decode order."""
+    """Kind ``mp4_index`` (SPEC §6.6)."""
     index = _media_index(case_input)
     return {
         "codec": index.codec, "width": index.width, "height": index.height,
@@ -449,7 +394,7 @@ def kind_mp4_index(case_input: dict) -> dict:
 
 
 def kind_span(case_input: dict) -> dict:
-    """Kind ``span``: ``{file, from_s, to_s, tolerance_s[, request_times_s]}`` → the span."""
+    """Kind ``span`` (SPEC §7.3)."""
     index = _media_index(case_input)
     times = case_input.get("request_times_s")
     request_times_s = None if times is None else np.asarray(times, float)
@@ -461,7 +406,7 @@ def kind_span(case_input: dict) -> dict:
 
 
 def kind_synth(case_input: dict) -> dict:
-    """Kind ``synth``: ``{file, sample_lo, sample_hi}`` → synthesized size and SHA-256."""
+    """Kind ``synth`` (SPEC §7.3)."""
     index = _media_index(case_input)
     span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
     with open(case_input["file"], "rb") as f:
@@ -474,12 +419,7 @@ def kind_synth(case_input: dict) -> dict:
 
 
 def kind_doctor_tiling(case: dict) -> dict:
-    """Conformance kind ``doctor_tiling``: :func:`episode_tiling`.
-
-    Input ``{"episode_index": [...], "from_index": [...], "to_index": [...], "total_frames": n}``;
-    answer ``{"gaps": [[start, end, before | null, after | null]], "overlaps": [[episode, other,
-    start, end]], "covered_to": n, "tiled": bool}``.
-    """
+    """Kind ``doctor_tiling`` (SPEC §11.3)."""
     tiling = episode_tiling(*(np.asarray(case[k], np.int64)
                               for k in ("episode_index", "from_index", "to_index")),
                             int(case["total_frames"]))
@@ -493,11 +433,7 @@ def kind_doctor_tiling(case: dict) -> dict:
 
 
 def kind_doctor_requests(case: dict) -> dict:
-    """Conformance kind ``doctor_requests``: :func:`unserved_requests`.
-
-    Input ``{"pts": [ticks…], "timescale": n, "times_s": [...], "tolerance_s": x}``; answer
-    ``{"unserved": [positions in times_s]}``.
-    """
+    """Kind ``doctor_requests`` (SPEC §11.5)."""
     unserved = unserved_requests(np.asarray(case["pts"], np.int64), int(case["timescale"]),
                                  np.asarray(case["times_s"], np.float64),
                                  float(case["tolerance_s"]))
