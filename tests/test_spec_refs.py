@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "spec" / "SPEC.md"
 
 HEADING = re.compile(r"^#{2,3} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
-REFERENCE = re.compile(r"§\s?(\d+(?:\.\d+)*)")
+# "§6.3", "§ 7.1", and ranges "§3.6–3.7" / "§4.1–§4.4", whose end must exist too.
+REFERENCE = re.compile(r"§\s?(\d+(?:\.\d+)*)(?:–§?(\d+(?:\.\d+)*))?")
 # A reference right after the name of another document belongs to that document.
 OTHER_DOCUMENT = re.compile(r"(RFC ?\d+|ISO/IEC [\d-]+|\d{4,}-\d+)[,:]? $")
 
@@ -28,7 +29,7 @@ def dangling_references(text: str, known: set[str]) -> list[str]:
         for match in REFERENCE.finditer(line):
             if OTHER_DOCUMENT.search(line[: match.start()]):
                 continue
-            if match[1] not in known:
+            if not {match[1], match[2] or match[1]} <= known:
                 found.append(f"{line_number}: {match[0]}")
     return found
 
@@ -66,7 +67,8 @@ def test_the_spec_writes_every_reference_with_its_sign(path):
 
 def test_a_reference_to_a_missing_section_is_found():
     known = {"7", "7.1", "8", "8.2"}
-    text = "retried (§8.3), see §7.1 and § 7.9;\nISO/IEC 14496-12 §12.1.3, RFC 9110 §5.6.7"
-    assert dangling_references(text, known) == ["1: §8.3", "1: § 7.9"]
+    text = ("retried (§8.3), see §7.1 and § 7.9, §7.1–8.2, §7–§8.4;\n"
+            "ISO/IEC 14496-12 §12.1.3, RFC 9110 §5.6.7")
+    assert dangling_references(text, known) == ["1: §8.3", "1: § 7.9", "1: §7–§8.4"]
     bare = "retried (7.3), identities per 7.1. A half frame (0.5), a tolerance of 1e-4"
     assert BARE_REFERENCE.findall(bare) == ["(7.3", "per 7.1"]
