@@ -4,7 +4,9 @@ implementation fails every case; every case survives a JavaScript-style JSON par
 encoding of spec/README.md); every reference video has its expected table; the runner says
 clearly where the fixtures are when they are missing."""
 
+import inspect
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from broken_adapter import corrupt
 
+from refstream import errors
 from refstream.errors import UsageError
 from refstream.tools import conformance
 
@@ -136,6 +139,29 @@ def test_the_javascript_example_passes_every_rng_case():
 
 
 # --- the fixtures themselves -------------------------------------------------------------------
+
+
+def error_table() -> dict[str, tuple[str, set[str]]]:
+    """SPEC §12 as ``name -> (parent, kinds that may answer it)``."""
+    text = (FIXTURES.parent / "SPEC.md").read_text(encoding="utf-8")
+    section = text[text.index("## 12. Errors"):]
+    rows = re.findall(r"^\| `(\w+)` \| (?:`(\w+)`|—) \| .* \| (.*) \|$", section, re.MULTILINE)
+    return {name: (parent, set(re.findall(r"`(\w+)`", kinds))) for name, parent, kinds in rows}
+
+
+def test_the_error_table_is_refstreams_errors_and_the_fixtures_answers():
+    table = error_table()
+    classes = {name: cls for name, cls in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(cls, errors.RefstreamError)}
+    assert set(table) == set(classes)
+    for name, (parent, _) in table.items():
+        bases = [b.__name__ for b in classes[name].__bases__ if b.__name__ in classes]
+        assert bases == ([parent] if parent else []), name
+    answered = {(c.expected["error"], c.kind) for c in CASES if "error" in c.expected}
+    answered |= {(r["error"], c.kind) for c in CASES if c.kind == "budget_ops"
+                 for r in c.expected["results"] if isinstance(r, dict)}
+    assert {(error, kind) for error, kind in answered if kind not in table[error][1]} == set()
+
 
 
 def test_every_reference_video_has_its_expected_table():
