@@ -26,7 +26,7 @@ from refstream.synth import (
     synthesize_header,
     synthesized_size,
 )
-from refstream.tools.adapters import answer, kind_synth
+from refstream.tools.adapters import answer
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 REAL = ["av1_g2", "av1_g30", "h264_nob", "h264_intra", "h264_b", "h264_negcts", "h264_opengop",
@@ -305,7 +305,7 @@ def test_conformance_span(case):
 @pytest.mark.parametrize("case", SYNTH_CASES, ids=[c.stem for c in SYNTH_CASES])
 def test_conformance_synth(case):
     doc = json.loads(case.read_text())
-    assert doc["kind"] == "synth" and kind_synth(doc["input"]) == doc["expected"]
+    assert doc["kind"] == "synth" and answer("synth", doc["input"]) == doc["expected"]
 
 
 def test_interval_without_frames_is_an_error():
