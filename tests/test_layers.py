@@ -44,6 +44,10 @@ def layer_of(module: str) -> int | None:
     return LAYERS.get(parts[1], -1)
 
 
+def is_module(name: str) -> bool:
+    return (PACKAGE / f"{name}.py").exists() or (PACKAGE / name / "__init__.py").exists()
+
+
 def imports_of(path: Path) -> set[str]:
     """Every refstream module ``path`` imports (``from refstream import x`` counts as
     ``refstream.x``)."""
@@ -52,8 +56,9 @@ def imports_of(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "refstream":
-                found.update(f"refstream.{alias.name}" for alias in node.names)
+            if node.module == "refstream":  # a module of the package, or one of its names
+                found.update(f"refstream.{alias.name}" if is_module(alias.name) else "refstream"
+                             for alias in node.names)
             else:
                 found.add(node.module)
     return {name for name in found if name.split(".")[0] == "refstream"}
@@ -105,5 +110,6 @@ def test_a_module_in_no_layer_is_caught():
 
 def test_the_walker_sees_imports_inside_functions(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from refstream import stream\n    import refstream.tools.cli\n")
-    assert imports_of(path) == {"refstream.stream", "refstream.tools.cli"}
+    path.write_text("def f():\n    from refstream import stream\n    import refstream.tools.cli\n"
+                    "from refstream import __version__\n")
+    assert imports_of(path) == {"refstream.stream", "refstream.tools.cli", "refstream"}
