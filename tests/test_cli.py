@@ -14,6 +14,7 @@ import pytest
 
 from refstream import __version__
 from refstream.tools.cli import STREAM_OPTIONS, build_parser, main
+from refstream.tools.conformance import FIXTURES_DIR
 from refstream.tools.demo import serve_directory, write_demo_dataset
 
 
@@ -106,3 +107,9 @@ def test_an_error_in_a_worker_is_one_line(dataset, capsys):
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith(
         "refstream stream: EpisodeTooLarge: ")
+
+
+def test_an_unknown_conformance_kind_is_a_usage_error(capsys):
+    assert main(["conformance", "--kind", "no-such-kind"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"refstream conformance: UsageError: no case of kind 'no-such-kind' in {FIXTURES_DIR}")
