@@ -58,7 +58,6 @@ through ``refstream.tools.baselines``, PyAV; ``refstream.tools.cli`` imports it 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -67,7 +66,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -202,21 +201,29 @@ def cached_dataset(config: BenchConfig, episodes: int, progress: Callable[[str],
              "cameras": config.cameras, "size": [config.width, config.height],
              "codec": config.codec, "gop": config.gop, "bframes": config.bframes,
              "fps": config.fps, "per_file": config.episodes_per_file, "layout": 1}
+    what = (f"{episodes} episodes x {config.frames_per_episode} frames x {config.cameras} "
+            f"cameras ({config.codec}, g={config.gop})")
+    return cached_build(f"{episodes}ep", shape, what, lambda building: demo.write_demo_dataset(
+        building, episode_lengths=[config.frames_per_episode] * episodes,
+        cameras=camera_names(config.cameras), size=(config.width, config.height),
+        fps=config.fps, codec=CODECS[config.codec], gop=config.gop,
+        bframes=config.bframes, episodes_per_video_file=config.episodes_per_file,
+        episodes_per_data_file=config.episodes_per_file), progress)
+
+
+def cached_build(name: str, shape: dict, what: str, write: Callable[[Path], object],
+                 progress: Callable[[str], None]) -> Path:
+    """``bench_cache()/<name>-<digest of shape>``, written once by ``write(folder)`` (``what``
+    it is, for ``progress``) into a temporary folder beside it, then renamed into place."""
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-    root = bench_cache() / f"{episodes}ep-{digest}"
+    root = bench_cache() / f"{name}-{digest}"
     if (root / "meta" / "info.json").exists():
         return root
-    progress(f"generating {episodes} episodes x {config.frames_per_episode} frames x "
-             f"{config.cameras} cameras ({config.codec}, g={config.gop}) into {root}")
+    progress(f"generating {what} into {root}")
     root.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
-        demo.write_demo_dataset(
-            building, episode_lengths=[config.frames_per_episode] * episodes,
-            cameras=camera_names(config.cameras), size=(config.width, config.height),
-            fps=config.fps, codec=CODECS[config.codec], gop=config.gop,
-            bframes=config.bframes, episodes_per_video_file=config.episodes_per_file,
-            episodes_per_data_file=config.episodes_per_file)
+        write(building)
         os.replace(building, root)  # another bench made it meanwhile: keep theirs
     except OSError:
         if not (root / "meta" / "info.json").exists():
@@ -264,7 +271,7 @@ def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
 # --- measuring a pass -------------------------------------------------------------------------
 
 
-def _read_kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int] | None:
+def kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int] | None:
     try:
         text = Path(path).read_text()
     except OSError:
@@ -300,7 +307,7 @@ def memory_of(pids: list[int]) -> tuple[int, int]:
     """Summed RSS and PSS (bytes) of live ``pids``."""
     rss = pss = 0
     for pid in pids:
-        fields = _read_kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss"))
+        fields = kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss"))
         if fields:
             rss += fields.get("Rss", 0)
             pss += fields.get("Pss", 0)
@@ -742,19 +749,6 @@ def _download(url: str, root: Path, destination: Path) -> None:
         list(pool.map(fetch, relpaths))
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
 def _loader(dataset, config: BenchConfig, **options):
     return torch.utils.data.DataLoader(dataset, batch_size=config.batch_size,
                                        num_workers=config.num_workers, **options)
@@ -782,7 +776,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "still noisy",
     ]
     with tempfile.TemporaryDirectory(prefix="refstream-bench-") as scratch, \
-            _environment(CACHE_ENV, str(Path(scratch) / "cache")):
+            demo.environment(CACHE_ENV, str(Path(scratch) / "cache")):
         # Sidecars of loopback URLs (a new port every run) go to a scratch cache.
         methods: list[Method] = []
         say("refstream from the local folder")

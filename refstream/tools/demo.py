@@ -29,7 +29,8 @@ label and report what was measured.
 ``serve_directory(root)`` is a context manager serving a folder on ``127.0.0.1`` (ephemeral port)
 with HTTP/1.1 keep-alive, ``HEAD``/``GET``, one ``Range`` per request (206 + ``Content-Range``;
 416 when unsatisfiable), a strong ``ETag`` from size and mtime, and counters of requests and body
-bytes. It yields a :class:`LoopbackServer` whose ``url`` is the dataset's base URL.
+bytes. It yields a :class:`LoopbackServer` whose ``url`` is the dataset's base URL (its ``hold``
+callback, when set, sees every request first and may keep it waiting).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import io
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -61,8 +63,10 @@ __all__ = [
     "write_demo_dataset",
     "frame_picture",
     "read_frame_label",
+    "info_document",
     "LoopbackServer",
     "serve_directory",
+    "environment",
     "StreamMeasurement",
     "consume",
     "DemoReport",
@@ -533,23 +537,30 @@ def _episode_stats(rows: dict[str, np.ndarray],
     return stats
 
 
-def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[int],
-                          rows: list[dict], sizes: dict[str, tuple[int, int]]) -> None:
-    info = {
+def info_document(features: dict, fps: int, episodes: int, frames: int, robot_type: str,
+                  video_files_size_in_mb: int = 200) -> dict:
+    """``meta/info.json`` of a dataset of ``TASKS`` with these features and totals."""
+    has_video = any(f["dtype"] == "video" for f in features.values())
+    return {
         "codebase_version": "v3.0",
         "fps": fps,
         "features": features,
-        "total_episodes": len(lengths),
-        "total_frames": int(sum(lengths)),
+        "total_episodes": episodes,
+        "total_frames": frames,
         "total_tasks": len(TASKS),
         "chunks_size": CHUNKS_SIZE,
         "data_files_size_in_mb": 100,
-        "video_files_size_in_mb": 200,
+        "video_files_size_in_mb": video_files_size_in_mb,
         "data_path": DATA_PATH,
-        "video_path": VIDEO_PATH if sizes else None,
-        "robot_type": "refstream_demo",
-        "splits": {"train": f"0:{len(lengths)}"},
+        "video_path": VIDEO_PATH if has_video else None,
+        "robot_type": robot_type,
+        "splits": {"train": f"0:{episodes}"},
     }
+
+
+def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[int],
+                          rows: list[dict], sizes: dict[str, tuple[int, int]]) -> None:
+    info = info_document(features, fps, len(lengths), int(sum(lengths)), "refstream_demo")
     (root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
     merged = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
     stats = _episode_stats(merged, sizes)
@@ -571,6 +582,8 @@ class LoopbackServer:
     body_bytes: int = 0  # response body bytes answered (counted as the answer starts)
     log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
     # (method, path, Range header or None, status)
+    # Called with (path, client address) before each request is answered; may block to hold it.
+    hold: Callable[[str, tuple], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _record(self, method: str, path: str, range_header: str | None, status: int,
@@ -641,6 +654,8 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
                 self.wfile.write(body)
 
         def _respond(self, send_body: bool) -> None:
+            if server_state.hold is not None:
+                server_state.hold(self.path, self.client_address)
             range_header = self.headers.get("Range")
             path = self._resolve()
             if path is None:
@@ -686,6 +701,10 @@ class _LoopbackHTTPServer(ThreadingHTTPServer):
     # The default listen backlog of 5 drops the SYNs of a burst of new connections (several
     # workers' threads at once), which the client resends only after a second.
     request_queue_size = 128
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # not a client that went away
+            super().handle_error(request, client_address)
 
 
 @contextlib.contextmanager
@@ -845,19 +864,24 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
         files = [p for p in root.rglob("*") if p.is_file()]
         video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
         # The sidecar cache goes with the demo's files: the loopback URL changes on every run.
-        previous_cache = os.environ.get("REFSTREAM_CACHE")
-        os.environ["REFSTREAM_CACHE"] = str(Path(workdir) / "cache")
-        stack.callback(_restore_env, "REFSTREAM_CACHE", previous_cache)
+        stack.enter_context(environment("REFSTREAM_CACHE", str(Path(workdir) / "cache")))
         server = stack.enter_context(serve_directory(root))
         return _stream_and_check(root, kept, server, files, video_bytes, num_workers,
                                  batch_size, progress)
 
 
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+@contextlib.contextmanager
+def environment(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` until the block exits."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: list[Path],
