@@ -498,6 +498,10 @@ def add_bench(subparsers) -> None:
                    help=_bench_default("codec of the generated videos", "codec"))
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
+    p.add_argument("--scale", choices=["droid"],
+                   help="instead: index build, construction and worker memory on a DROID-sized "
+                        "simulation (sparse videos: no sample can be decoded from it); uses "
+                        "--quick, --episodes, --num-workers and --json")
     p.set_defaults(run=run_bench)
 
 
@@ -514,10 +518,24 @@ def _bench_default(text: str, *fields: str):
     return help_text
 
 
+def _bench_progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr)
+
+
 def run_bench(args) -> int:
 
     from refstream.tools.bench import BenchConfig, plot
     from refstream.tools.bench import run_bench as bench
+
+    if args.scale:
+        from refstream.tools.scale import ScaleConfig, run_scale
+
+        given = {"episodes": args.episodes, "workers": args.num_workers}
+        config = (ScaleConfig.quick if args.quick else ScaleConfig)(
+            **{k: v for k, v in given.items() if v is not None})
+        report = run_scale(config, progress=_bench_progress)
+        print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
+        return 0
 
     overrides = {name: getattr(args, name) for name in (
         "root", "episodes", "frames_per_episode", "cameras", "gop", "bframes", "pool_size",
@@ -529,7 +547,7 @@ def run_bench(args) -> int:
             raise UsageError(f"--resolution: expected WxH such as 320x240, got {args.resolution}")
         overrides.update(width=int(width), height=int(height))
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
-    report = bench(config, progress=lambda message: print(f"bench: {message}", file=sys.stderr))
+    report = bench(config, progress=_bench_progress)
     print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
     if args.plot and not plot(report, args.plot):
         print("bench: matplotlib is not installed: no plot", file=sys.stderr)

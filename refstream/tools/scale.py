@@ -1,0 +1,478 @@
+"""``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation.
+
+Use: ``report = run_scale(ScaleConfig())`` (``ScaleConfig.quick()`` for a small one), then
+``report.lines()`` or ``report.as_dict()``; from the shell, ``refstream bench --scale droid``.
+
+The simulation (:func:`write_simulation`, made once under ``$REFSTREAM_CACHE/bench``) is DROID in
+LeRobot v3: ``bench.droid_lengths`` episodes at 15 fps, three 320×180 cameras, video files rolled
+over at 200 MB as LeRobot's writer rolls them, the episodes table (with ``stats/*`` columns) in
+files of about 100 MB, sparse videos (:func:`write_sparse_mp4`: a real ``moov``, an ``mdat``
+hole) and no data Parquet: **no sample can be fetched or decoded from it**.
+
+Measured from the folder and over loopback HTTP, each with a scratch sidecar cache: ``refstream
+index ROOT`` in a child (time, peak RSS, requests and bytes served, the cache's size after);
+``StreamingDataset(ROOT)`` twice in a new process, the index cached (cold, warm); over HTTP, the
+memory of DataLoader workers while the server holds their data Parquet requests: a worker makes
+one only once it planned its spans and admitted its first pool, and the request's TCP port names
+it. The index's private share is the private memory a worker gained since its ``worker_init_fn``
+(an upper bound: spans and planner included); the index pages it maps are counted apart.
+Measured processes set ``oom_score_adj`` to 1000: running out of memory ends them first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from refstream.errors import RefstreamError, UsageError
+from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
+from refstream.sidecar import CACHE_ENV
+from refstream.stats import STATS_PATH
+from refstream.tools import bench, demo
+from refstream.tools.bench import MB, Target, droid_lengths, kib_fields
+
+__all__ = ["ScaleConfig", "ScaleReport", "run_scale", "write_simulation", "write_sparse_mp4"]
+
+CAMERAS = ("observation.images.exterior_1_left", "observation.images.exterior_2_left",
+           "observation.images.wrist_left")  # DROID's three cameras
+WIDTH, HEIGHT, FPS = 320, 180, 15  # DROID's cameras in LeRobot's DROID 1.0.1
+GOP = 2  # LeRobot's default keyframe interval
+MIB = 1024 * 1024  # LeRobot's file sizes are in MiB ("size_in_mb" = bytes / 1024**2)
+# Sample sizes (bytes, uniform within +-50 %): keyframes every other frame at g=2, ~1.7 x an
+# inter frame; the mean sample, ~4.45 KB, is DROID's 369 GB of video over its 82.8 M samples.
+KEY_SAMPLE_BYTES, INTER_SAMPLE_BYTES = 5_600, 3_300
+DATA_ROW_BYTES = 200  # assumed data Parquet bytes per frame: rolls the (absent) data files
+MIN_TIMESCALE = 10_000  # FFmpeg's mov muxer doubles a video time base 1/fps until it reaches this
+CHUNK_LIMIT = 1 << 20  # FFmpeg's mov muxer starts a new chunk before one would reach 1 MiB
+MOVIE_TIMESCALE = 1000  # FFmpeg's mvhd timescale
+# av1C of SVT-AV1's main-profile 8-bit 4:2:0 320x180 stream (version/profile bytes + the
+# sequence header OBU), as FFmpeg writes it into the av01 sample entry.
+AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
+MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)  # identity
+FACTS = "simulation.json"  # write_simulation's facts, beside meta/
+HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
+TARGETS = {  # key: (text, the most the measured value may be)
+    "index_rss": ("refstream index peak RSS <= 1 GB (MB, folder or HTTP)", 1000),
+    "construct_local": ("construction, index cached <= 5 s (folder; cold or warm)", 5),
+    "construct_http": ("construction, index cached <= 10 s (loopback HTTP; cold or warm)", 10),
+    "identity_requests": ("requests of a cold construction per 1,000 video files <= 10 with a "
+                          "listing (loopback HTTP has none)", 10),
+    "worker_private": ("private memory per worker for the index <= 64 MB (gained planning)", 64),
+    "index_disk": ("index on disk <= 20 bytes per sample", 20),
+}
+
+
+# --- the sparse MP4 ---------------------------------------------------------------------------
+
+
+def _box(kind: bytes, *parts: bytes) -> bytes:
+    body = b"".join(parts)
+    return struct.pack(">I4s", 8 + len(body), kind) + body
+
+
+def _full(kind: bytes, flags: int, *parts: bytes) -> bytes:
+    return _box(kind, struct.pack(">I", flags), *parts)  # a full box, version 0
+
+
+def _table(kind: bytes, rows: np.ndarray, *head: int) -> bytes:
+    """A full box of big-endian uint32 ``head`` fields, the row count, then the rows."""
+    return _full(kind, 0, struct.pack(f">{len(head) + 1}I", *head, len(rows)),
+                 np.ascontiguousarray(rows, ">u4").tobytes())
+
+
+def _moov(sizes: np.ndarray, keyframe: np.ndarray, payload_at: int, fps: int) -> bytes:
+    ticks = 1  # per frame
+    while fps * ticks < MIN_TIMESCALE:
+        ticks *= 2
+    count, ends = len(sizes), np.cumsum(sizes)
+    at = ends - sizes  # each sample's offset in the payload
+    movie_ticks = -(-count * ticks * MOVIE_TIMESCALE // (fps * ticks))  # rounded up
+    chunks = [0]  # first sample of each chunk: samples follow while the chunk stays below limit
+    while chunks[-1] < count:
+        chunks.append(max(chunks[-1] + 1, int(np.searchsorted(ends, at[chunks[-1]] + CHUNK_LIMIT))))
+    per_chunk = np.diff(chunks)
+    changes = np.flatnonzero(np.diff(per_chunk, prepend=0))  # stsc: where the count changes
+    entry = _box(b"av01", struct.pack(">6xH16xHHII4xH32xHh", 1, WIDTH, HEIGHT, 0x480000,
+                                      0x480000, 1, 0x18, -1), _box(b"av1C", AV1C_320X180))
+    stbl = _box(b"stbl", _full(b"stsd", 0, struct.pack(">I", 1), entry),
+                _table(b"stts", np.array([[count, ticks]])),
+                _table(b"stss", np.flatnonzero(keyframe) + 1),
+                _table(b"stsc", np.stack([changes + 1, per_chunk[changes], changes * 0 + 1], 1)),
+                _table(b"stsz", sizes, 0), _table(b"stco", payload_at + at[chunks[:-1]]))
+    dinf = _box(b"dinf", _full(b"dref", 0, struct.pack(">I", 1), _full(b"url ", 1)))
+    mdia = _box(b"mdia", _full(b"mdhd", 0, struct.pack(">4IHH", 0, 0, fps * ticks, count * ticks,
+                                                        0x55C4, 0)),
+                _full(b"hdlr", 0, struct.pack(">I4s12x", 0, b"vide"), b"VideoHandler\0"),
+                _box(b"minf", _full(b"vmhd", 1, bytes(8)), dinf, stbl))
+    tkhd = _full(b"tkhd", 3, struct.pack(">5I8x4H", 0, 0, 1, 0, movie_ticks, 0, 0, 0, 0), MATRIX,
+                 struct.pack(">II", WIDTH << 16, HEIGHT << 16))
+    edts = _box(b"edts", _table(b"elst", np.array([[movie_ticks, 0, 0x10000]])))
+    mvhd = _full(b"mvhd", 0, struct.pack(">5IH10x", 0, 0, MOVIE_TIMESCALE, movie_ticks, 0x10000,
+                                         0x100), MATRIX, struct.pack(">24xI", 2))
+    return _box(b"moov", mvhd, _box(b"trak", tkhd, edts, mdia))
+
+
+def write_sparse_mp4(path: Path, sizes: np.ndarray, keyframe: np.ndarray, fps: int) -> np.ndarray:
+    """An AV1 MP4 at ``path`` whose moov describes samples of ``sizes`` bytes (flags
+    ``keyframe``, one frame each at ``fps``) and whose mdat payload is a hole; returns each
+    sample's absolute file offset."""
+    sizes = np.asarray(sizes, np.int64)
+    ftyp = _box(b"ftyp", b"isom", struct.pack(">I", 0x200), b"isomav01iso2mp41")
+    payload_at = len(ftyp) + len(_moov(sizes, keyframe, 0, fps)) + 8  # moov's size: any offsets
+    with open(path, "wb") as out:
+        out.write(ftyp + _moov(sizes, keyframe, payload_at, fps)
+                  + struct.pack(">I4s", 8 + int(sizes.sum()), b"mdat"))
+        out.truncate(payload_at + int(sizes.sum()))
+    return payload_at + np.cumsum(sizes) - sizes
+
+
+# --- the simulated dataset --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """The simulation's shape (DROID's by default) and the workers of the memory figure."""
+
+    episodes: int = bench.DROID_EPISODES
+    video_file_mb: int = 200  # LeRobot's video_files_size_in_mb
+    workers: int = 4
+    seed: int = 0
+
+    @classmethod
+    def quick(cls, **overrides) -> ScaleConfig:
+        return cls(**{"episodes": 40, "video_file_mb": 2, "workers": 2, **overrides})
+
+
+def _rollover(item_bytes: np.ndarray, limit: int) -> np.ndarray:
+    """Each item's file number, a new file whenever the next item would bring the current one
+    to ``limit`` bytes (LeRobot's rule for video and data files)."""
+    numbers, number, filled = np.empty(len(item_bytes), np.int64), 0, 0
+    for position, size in enumerate(item_bytes.tolist()):
+        if filled and filled + size >= limit:
+            number, filled = number + 1, 0
+        numbers[position], filled = number, filled + size
+    return numbers
+
+
+def _place(numbers, key: str = "") -> dict:
+    """``chunk_index`` and ``file_index`` of file ``numbers`` (LeRobot's rollover), prefixed by
+    ``key/`` when given (episodes table columns)."""
+    return {f"{key}/chunk_index" if key else "chunk_index": numbers // demo.CHUNKS_SIZE,
+            f"{key}/file_index" if key else "file_index": numbers % demo.CHUNKS_SIZE}
+
+
+def _nested(values: np.ndarray) -> pa.Array:
+    """Each row of ``values`` as a (nested) fixed-size list."""
+    array = pa.array(values.reshape(-1))
+    for size in reversed(values.shape[1:]):
+        array = pa.FixedSizeListArray.from_arrays(array, size)
+    return array
+
+
+def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> dict:
+    """Write the simulation of ``config`` under ``root`` (module docstring); return its facts,
+    also kept in ``root/simulation.json``."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    lengths = np.asarray(droid_lengths(config.episodes, config.seed), np.int64)
+    first = np.concatenate([[0], np.cumsum(lengths)])
+    frames = int(first[-1])
+    keyframe = (np.arange(frames) - np.repeat(first[:-1], lengths)) % GOP == 0
+    rng = np.random.default_rng(config.seed)
+    columns = {"episode_index": np.arange(config.episodes), "length": lengths,
+               "tasks": pa.array([[demo.TASKS[e % 2]] for e in range(config.episodes)]),
+               **_place(_rollover(lengths * DATA_ROW_BYTES, 100 * MIB), "data"),
+               "dataset_from_index": first[:-1], "dataset_to_index": first[1:]}
+    videos = []
+    for camera in CAMERAS:
+        sizes = (np.where(keyframe, KEY_SAMPLE_BYTES, INTER_SAMPLE_BYTES)
+                 * rng.uniform(0.5, 1.5, frames)).astype(np.int32)
+        file_of = _rollover(np.add.reduceat(sizes, first[:-1], dtype=np.int64),
+                            config.video_file_mb * MIB)
+        opens = first[:-1][np.flatnonzero(np.diff(file_of, prepend=-1))]  # each file's 1st frame
+        columns |= {**_place(file_of, f"videos/{camera}"),
+                    f"videos/{camera}/from_timestamp": (first[:-1] - opens[file_of]) / FPS,
+                    f"videos/{camera}/to_timestamp": (first[1:] - opens[file_of]) / FPS}
+        videos += [(camera, n, sizes[a:b], keyframe[a:b])
+                   for n, (a, b) in enumerate(zip(opens, [*opens[1:], frames], strict=True))]
+    features = demo._features({c: (WIDTH, HEIGHT) for c in CAMERAS}, FPS, "libsvtav1", GOP, 0)
+    stats = {}  # of the right shapes; the values mean nothing
+    for name, feature in features.items():
+        shape = (3, 1, 1) if feature["dtype"] == "video" else tuple(feature["shape"])
+        parts = {s: rng.random((config.episodes, *shape)) for s in ("min", "max", "mean", "std",
+                                                                    *demo.QUANTILES)}
+        columns |= {f"stats/{name}/{s}": _nested(v) for s, v in parts.items()}
+        columns[f"stats/{name}/count"] = _nested(lengths[:, None])
+        stats[name] = {s: v.mean(0).tolist() for s, v in parts.items()} | {"count": [frames]}
+    table = pa.table(columns)
+    per_file = max(1, 100 * MIB * table.num_rows // table.nbytes)  # ~100 MB files, as LeRobot
+    numbers = np.arange(table.num_rows) // per_file
+    for key, values in _place(numbers, "meta/episodes").items():
+        table = table.append_column(key, pa.array(values))
+    parts = [(EPISODES_PATH.format(**_place(n)), table.slice(n * per_file, per_file))
+             for n in range(int(numbers[-1]) + 1)] + [(TASKS_PATH, demo._tasks_table())]
+    for relpath, part in parts:
+        (root / relpath).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(part, root / relpath)
+    (root / STATS_PATH).write_text(json.dumps(stats))
+    (root / INFO_PATH).write_text(json.dumps(demo.info_document(
+        features, FPS, config.episodes, frames, "refstream_droid_simulation",
+        config.video_file_mb)))
+    for camera, number, sizes, flags in tqdm(videos, unit="file", disable=not progress):
+        path = root / demo.VIDEO_PATH.format(video_key=camera, **_place(number))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_sparse_mp4(path, sizes, flags, FPS)
+    facts = {"episodes": config.episodes, "frames": frames, "cameras": len(CAMERAS),
+             "video_files": len(videos), "samples": frames * len(CAMERAS),
+             "video_bytes": int(sum(v[2].sum(dtype=np.int64) for v in videos)),
+             "seconds": round(time.perf_counter() - started, 1)}
+    (root / FACTS).write_text(json.dumps(facts))
+    return facts
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+# Child processes: each first offers itself to the OOM killer (module docstring).
+_OOM_FIRST = "open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+INDEX_CHILD = _OOM_FIRST + "import sys\nfrom refstream.tools.cli import main\n" \
+                           "sys.exit(main(['index', *sys.argv[1:]]))\n"
+# One StreamingDataset(argv[1]) per line read; prints the seconds each took.
+CONSTRUCT_CHILD = _OOM_FIRST + """import json, sys, time
+from refstream.stream import StreamingDataset
+for _ in sys.stdin:
+    started = time.perf_counter()
+    StreamingDataset(sys.argv[1])
+    print(json.dumps(time.perf_counter() - started), flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Place:
+    """The figures from one place, the folder or loopback HTTP (seconds, bytes)."""
+
+    index_s: float  # `refstream index ROOT`, the whole child process
+    index_peak_rss_bytes: int
+    index_requests: int
+    index_served_bytes: int  # response bytes, the moovs that were read
+    index_disk_bytes: int  # every file of the sidecar cache after the build
+    cold_s: float  # the first StreamingDataset(ROOT) of a new process, the index cached
+    cold_requests: int
+    warm_s: float  # the second one in that process
+    warm_requests: int
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """One DataLoader worker once it planned its first pool (bytes)."""
+
+    rss_bytes: int
+    pss_bytes: int
+    private_bytes: int  # Private_Clean + Private_Dirty
+    private_gained_bytes: int  # since the worker started (its worker_init_fn)
+    index_rss_bytes: int  # pages of index files mapped from the sidecar cache
+    index_pss_bytes: int
+
+
+def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place:
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    mark, served, started = len(server.log), server.body_bytes, time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", INDEX_CHILD, root], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with child.stdout:
+        output = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)  # the child's own peak RSS
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise RefstreamError(f"refstream index {root} failed ({child.returncode}): {output}")
+    figures = [time.perf_counter() - started, usage.ru_maxrss * 1024, len(server.log) - mark,
+               server.body_bytes - served,
+               sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())]
+    with subprocess.Popen([sys.executable, "-c", CONSTRUCT_CHILD, root], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+        for _ in ("cold", "warm"):
+            mark = len(server.log)
+            child.stdin.write("\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            if not line:
+                raise RefstreamError(f"StreamingDataset({root!r}) failed in a child process")
+            figures += [float(line), len(server.log) - mark]
+        child.stdin.close()
+    return Place(*figures)
+
+
+def _rollup(pid: int) -> tuple[int, int, int]:
+    """RSS, PSS and private bytes (``Private_Clean + Private_Dirty``) of ``pid``."""
+    fields = kib_fields(f"/proc/{pid}/smaps_rollup",
+                        ("Rss", "Pss", "Private_Clean", "Private_Dirty")) or {}
+    private = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return fields.get("Rss", 0), fields.get("Pss", 0), private
+
+
+def _note_start(start, worker_id: int) -> None:
+    """``worker_init_fn``: offer this worker to the OOM killer first; record its private bytes
+    and pid in row ``worker_id`` of the shared tensor ``start``."""
+    Path("/proc/self/oom_score_adj").write_text("1000")
+    start[worker_id, 1] = _rollup(os.getpid())[2]
+    start[worker_id, 0] = os.getpid()
+
+
+def _tcp_ports(pid: int) -> set[int]:
+    """Local ports of the IPv4 TCP sockets ``pid`` has open."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[")[:-1])
+    rows = [line.split() for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]]
+    return {int(row[1].rpartition(":")[2], 16) for row in rows if row[9] in inodes}
+
+
+def _worker(pid: int, private_at_start: int, folder: str) -> WorkerMemory:
+    """``pid``'s memory, and that of its mappings of files under ``folder`` (/proc/pid/smaps)."""
+    mapped, inside = {"Rss:": 0, "Pss:": 0}, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        words = line.split()
+        if not words[0].endswith(":"):  # a mapping: range, perms, offset, dev, inode[, path]
+            inside = len(words) > 5 and words[5].startswith(folder)
+        elif inside and words[0] in mapped:
+            mapped[words[0]] += int(words[1]) * 1024
+    rss, pss, private = _rollup(pid)
+    return WorkerMemory(rss, pss, private, private - private_at_start, *mapped.values())
+
+
+def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> list[WorkerMemory]:
+    """Each worker's memory once every worker has a data Parquet request held (module doc)."""
+    import torch
+
+    from refstream.stream import StreamingDataset
+
+    held, measured, lock, release = set(), [], threading.Lock(), threading.Event()
+    start = torch.zeros((workers, 2), dtype=torch.int64).share_memory_()  # pid, private bytes
+
+    def hold(path: str, client: tuple) -> None:  # on the server's threads
+        if path.startswith("/data/"):
+            with lock:
+                held.add(client[1])  # the port the request came from
+                pids = start[:, 0].tolist()
+                if not release.is_set() and all(pids) and all(_tcp_ports(p) & held for p in pids):
+                    measured.extend(_worker(pid, at_start, str(cache.resolve()))
+                                    for pid, at_start in start.tolist())
+                    release.set()
+            release.wait()
+
+    with demo.environment(CACHE_ENV, str(cache)):
+        dataset = StreamingDataset(server.url)
+    loader = torch.utils.data.DataLoader(dataset, num_workers=workers, timeout=HELD_WAIT_S,
+                                         worker_init_fn=functools.partial(_note_start, start))
+    server.hold = hold
+    try:  # no batch can come: the data requests are held, then answered 404
+        next(iter(loader))
+    except Exception as exc:  # noqa: BLE001 - what ended the workers' first fetch
+        if not measured:
+            raise RefstreamError("the workers did not all reach their first fetch") from exc
+    finally:
+        release.set()
+        server.hold = None
+    return measured
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleReport:
+    """Everything one run measured (seconds, bytes)."""
+
+    config: ScaleConfig
+    root: str
+    simulation: dict  # write_simulation's facts
+    disk_bytes: int  # what the simulation's files take on disk
+    apparent_bytes: int  # their sizes
+    folder: Place
+    http: Place
+    workers: list[WorkerMemory]
+    targets: list[Target]
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        s = self.simulation
+        out = [f"simulated DROID: {s['episodes']:,} episodes, {s['frames']:,} frames at {FPS} "
+               f"fps, {s['cameras']} cameras {WIDTH}x{HEIGHT}, {s['samples']:,} samples in "
+               f"{s['video_files']:,} sparse video files ({s['video_bytes'] / MB:,.0f} MB); "
+               f"generated in {s['seconds']:.0f} s, "
+               f"{self.disk_bytes / MB:,.0f} MB on disk, {self.apparent_bytes / MB:,.0f} MB "
+               f"apparent: {self.root}"]
+        groups = [("folder", self.folder), ("loopback HTTP", self.http),
+                  *((f"worker {n} (HTTP)", w) for n, w in enumerate(self.workers))]
+        out += [f"{label}: " + ", ".join(f"{k} {_shown(k, v)}" for k, v in asdict(g).items())
+                for label, g in groups]
+        out += [f"[{'pass' if t.passed else 'MISS'}] {t.text}: {t.measured}"
+                for t in self.targets]
+        return [*out, f"scale took {self.seconds:.0f} s"]
+
+
+def _shown(name: str, value: float) -> str:
+    """A figure as printed: bytes in MB, seconds to the hundredth, counts with separators."""
+    if name.endswith("_bytes"):
+        return f"{value / MB:,.1f} MB"
+    return f"{value:.2f} s" if name.endswith("_s") else f"{value:,}"
+
+
+def evaluate_targets(report: ScaleReport) -> list[Target]:
+    """The targets of :data:`TARGETS` with the measured values."""
+    f, h, s = report.folder, report.http, report.simulation
+    measured = {
+        "index_rss": max(f.index_peak_rss_bytes, h.index_peak_rss_bytes) / MB,
+        "construct_local": max(f.cold_s, f.warm_s),
+        "construct_http": max(h.cold_s, h.warm_s),
+        "identity_requests": 1000 * h.cold_requests / s["video_files"],
+        "worker_private": max(w.private_gained_bytes for w in report.workers) / MB,
+        "index_disk": max(f.index_disk_bytes, h.index_disk_bytes) / s["samples"],
+    }
+    return [Target(key, text, f"{measured[key]:,.2f}", measured[key] <= most)
+            for key, (text, most) in TARGETS.items()]
+
+
+def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None) -> ScaleReport:
+    """Generate (once) the simulation, then measure it; see the module docstring."""
+    if min(config.episodes, config.workers) < 1 or not 1 <= config.video_file_mb <= 2048:
+        raise UsageError(f"{config}: episodes, workers >= 1; video_file_mb 1..2048 (32-bit stco)")
+    say = progress or (lambda _message: None)
+    started = time.perf_counter()
+    shape = {**asdict(config), "layout": 1}
+    del shape["workers"]
+    root = bench.cached_build("droid-sim", shape, "a DROID-sized simulation",
+                              lambda folder: write_simulation(folder, config, bool(progress)), say)
+    files = [p.stat() for p in root.rglob("*") if p.is_file()]
+    with tempfile.TemporaryDirectory(prefix="refstream-scale-") as scratch, \
+            demo.serve_directory(root) as server:
+        say("refstream index and StreamingDataset from the folder")
+        folder = _measure_place(str(root), Path(scratch) / "folder", server)
+        say("refstream index and StreamingDataset over loopback HTTP")
+        http = _measure_place(server.url, Path(scratch) / "http", server)
+        say(f"memory of {config.workers} workers")
+        workers = _worker_memory(server, Path(scratch) / "http", config.workers)
+    report = ScaleReport(config, str(root), json.loads((root / FACTS).read_text()),
+                         sum(f.st_blocks * 512 for f in files), sum(f.st_size for f in files),
+                         folder, http, workers, [], 0.0)
+    return replace(report, targets=evaluate_targets(report),
+                   seconds=time.perf_counter() - started)
