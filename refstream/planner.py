@@ -12,13 +12,19 @@ drain. It never waits and does no I/O; the stream follows it. Use::
     for episode, frame in planner:
         admitted, evicted = planner.drain_events()   # fetch the admitted, let the evicted go
         planner.frontier(k)                          # the next k to admit: prefetch candidates
+    planner.emitted()                           # {episode: frames emitted so far}
 
-Invariants: every frame of every episode of the share is emitted exactly once, then
-``StopIteration``; the order is a pure function of the arguments and the keys of SPEC §1.2, so
-another implementation reproduces it anchor for anchor; at every step ``len(resident) ≤
-pool_size`` and the residents' byte sizes sum to at most ``byte_budget``. An episode larger than
-the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at construction, before anything
-is fetched. Where a resumed worker starts is :mod:`refstream.resume`'s business.
+``delivered`` (optional, one count per episode) plans the rest of an epoch whose first
+``delivered[i]`` frames of episode ``i``'s keyed order were emitted already (SPEC §3.9); the
+planner emits the rest of each episode's order and weighs it by what is left.
+
+Invariants: every frame of every episode of the share (past its delivered ones) is emitted
+exactly once, then ``StopIteration``; the order is a pure function of the arguments and the keys
+of SPEC §1.2, so another implementation reproduces it anchor for anchor; at every step
+``len(resident) ≤ pool_size`` and the residents' byte sizes sum to at most ``byte_budget``. An
+episode larger than the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at
+construction, before anything is fetched. Where a resumed worker starts is
+:mod:`refstream.resume`'s business.
 """
 
 from __future__ import annotations
@@ -66,11 +72,15 @@ class Planner:
         pool_size: int,
         byte_sizes: Sequence[int] | None = None,
         byte_budget: int | None = None,
+        delivered: Sequence[int] | None = None,
     ) -> None:
         seed = resolve_seed(seed)
         _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size)
-        self._frames = {int(e): int(f) for e, f in zip(episodes, frames, strict=True) if f > 0}
-        self._sizes = _check_budget(episodes, frames, byte_sizes, byte_budget)
+        rest = _rest(episodes, frames, delivered)
+        self._frames = {int(e): int(f) for e, f, r in zip(episodes, frames, rest, strict=True)
+                        if r > 0}  # the whole episode: its keyed frame order
+        self._rest = {int(e): r for e, r in zip(episodes, rest, strict=True) if r > 0}
+        self._sizes = _check_budget(episodes, rest, byte_sizes, byte_budget)
         self._budget = byte_budget
         self._pool_size = pool_size
         self._strategy = strategy
@@ -81,7 +91,7 @@ class Planner:
         self._pool_frames_left = 0  # R: sum of self._left
         self._resident_bytes = 0
         self._emitted = 0  # anchors emitted so far = the next draw number
-        self._total = sum(self._frames.values())
+        self._total = sum(self._rest.values())
         self._frames_key = derive_key(seed, epoch, "frames")
         self._draw_key = derive_key(seed, epoch, "draw", rank, worker)
         self._round_key = derive_key(seed, epoch, "round", rank, worker)
@@ -109,6 +119,12 @@ class Planner:
     def frontier(self, k: int) -> list[int]:
         """The next ``k`` waiting episodes in admission order; admits nothing (SPEC §3.4)."""
         return list(islice(self._pending, max(0, k)))
+
+    def emitted(self) -> dict[int, int]:
+        """Frames emitted so far of each episode that has any (the first of its keyed order)."""
+        pending = set(self._pending)
+        counts = {e: r - self._left.get(e, 0) for e, r in self._rest.items() if e not in pending}
+        return {e: n for e, n in counts.items() if n}
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """``(admitted, evicted)`` episodes since the last call, each in event order (SPEC
@@ -140,19 +156,62 @@ class Planner:
         without computing their frames; UsageError past the end of the epoch."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
-        choose, take = self._choose, self._take
-        for _ in range(n):
-            take(choose())
+        skip_run = self._skip_draws if self._strategy == "pool" else self._skip_rounds
+        while n:
+            n -= skip_run(n)
+
+    def _skip_draws(self, n: int) -> int:
+        """Emit up to ``n`` pool draws without frames, stopping after the next eviction; the
+        count emitted. The arithmetic of :meth:`_choose` and :meth:`_take`, on local lists."""
+        episodes, lefts = list(self._left), list(self._left.values())
+        frames_left, done, drained = self._pool_frames_left, 0, -1
+        while done < n and drained < 0:
+            draw = self._emitted + done - self._draw_words_start
+            if not 0 <= draw < len(self._draw_words):
+                self._refill_draws(self._emitted + done)
+                draw = 0
+            words = self._draw_words
+            for i in range(draw, min(len(words), draw + n - done)):
+                t = (words[i] * frames_left) >> 64
+                place = 0
+                while t >= lefts[place]:
+                    t -= lefts[place]
+                    place += 1
+                lefts[place] -= 1
+                frames_left -= 1
+                done += 1
+                if not lefts[place]:
+                    drained = place
+                    break
+        self._left.update(zip(episodes, lefts, strict=True))
+        self._emitted += done
+        self._pool_frames_left = frames_left
+        if drained >= 0:
+            self._evict(episodes[drained])
+        return done
+
+    def _skip_rounds(self, n: int) -> int:
+        """At a round boundary, skip the whole rounds before the next eviction at once (each
+        visits every resident once, so only the frames left change); else emit one anchor."""
+        residents = len(self._left)
+        rounds = min(min(self._left.values()) - 1, n // residents)
+        if self._round_pos < len(self._round) or rounds < 1:
+            self._take(self._choose())
+            return 1
+        for episode in self._left:
+            self._left[episode] -= rounds
+        self._rounds_started += rounds
+        self._emitted += rounds * residents
+        self._pool_frames_left -= rounds * residents
+        return rounds * residents
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
             draw = self._emitted - self._draw_words_start
             if not 0 <= draw < len(self._draw_words):
-                start = self._emitted
-                indices = np.arange(start, start + _DRAW_BLOCK, dtype=np.uint64)
-                self._draw_words = u64_array(self._draw_key, indices).tolist()
-                self._draw_words_start, draw = start, 0
+                self._refill_draws(self._emitted)
+                draw = 0
             # below(R, draw key, n) = (u64 · R) >> 64, then the walk over residents.
             t = (self._draw_words[draw] * self._pool_frames_left) >> 64
             for episode, left in self._left.items():
@@ -168,6 +227,12 @@ class Planner:
         self._round_pos += 1
         return self._round[self._round_pos - 1]
 
+    def _refill_draws(self, start: int) -> None:
+        """Compute the draw words ``start …`` of a block at once."""
+        indices = np.arange(start, start + _DRAW_BLOCK, dtype=np.uint64)
+        self._draw_words = u64_array(self._draw_key, indices).tolist()
+        self._draw_words_start = start
+
     def _take(self, episode: int) -> None:
         """Count one anchor of ``episode``; after its last one, evict it and admit."""
         self._emitted += 1
@@ -176,6 +241,10 @@ class Planner:
         if left:
             self._left[episode] = left
             return
+        self._evict(episode)
+
+    def _evict(self, episode: int) -> None:
+        """``episode`` has emitted its last anchor: it leaves the pool, and others come in."""
         del self._left[episode]
         self._orders.pop(episode, None)
         if self._sizes is not None:
@@ -197,8 +266,8 @@ class Planner:
                 episode = pending[place]
                 del pending[place]
                 self._resident_bytes += sizes[episode]
-            self._left[episode] = self._frames[episode]
-            self._pool_frames_left += self._frames[episode]
+            self._left[episode] = self._rest[episode]
+            self._pool_frames_left += self._rest[episode]
             self._admitted_events.append(episode)
 
 
@@ -211,6 +280,18 @@ def _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size) ->
         raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if pool_size < 1:
         raise UsageError(f"pool_size must be at least 1, got {pool_size}")
+
+
+def _rest(episodes, frames, delivered) -> list[int]:
+    """Each episode's frames not yet delivered this epoch; UsageError for a bad ``delivered``."""
+    if delivered is None:
+        return [int(f) for f in frames]
+    if len(delivered) != len(episodes):
+        raise UsageError(f"{len(episodes)} episode ids but {len(delivered)} delivered counts")
+    for episode, count, done in zip(episodes, frames, delivered, strict=True):
+        if not 0 <= done <= count:
+            raise UsageError(f"episode {episode} has {count} frames, {done} cannot be delivered")
+    return [int(f) - int(d) for f, d in zip(frames, delivered, strict=True)]
 
 
 def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int] | None:

@@ -2,44 +2,58 @@
 
 The order of a rank's stream is a pure function of its setup, so a checkpoint is a few integers:
 a :class:`ResumeState` holds the epoch, the samples the rank consumed since that epoch began (a
-whole number of batches) and the :class:`ResumeSetup` that fixed the order. Everything else is
-recomputed; no planner runs here. Use::
+whole number of batches), the :class:`ResumeSetup` that fixed the order and, after a resume with
+another topology, the earlier topologies as :class:`Segment` s. Everything else is recomputed.
+Use::
 
     setup = ResumeSetup(seed=…, strategy=…, …, selection=selection_digest(episodes, frames))
     saved = ResumeState(epoch, samples, setup).to_dict()          # a plain dict for the checkpoint
-    state = ResumeState.from_dict(saved)                           # ResumeError names a bad field
-    state.require_setup(setup)                                     # TopologyChanged names changes
-    end = epoch_batches(world_worker_frames, batch_size)           # finite distributed epochs
-    start = resume_positions(worker_frames, batch_size, epoch=state.epoch,
-                             samples=state.samples, repeat=repeat, rank_batches=end)
+    state = ResumeState.from_dict(saved).resume_with(setup)       # ResumeError, TopologyChanged
+    order = Order(episodes, frames, seed=…, strategy=…, …)        # + byte_sizes under a budget
+    course = Course(order, delivered_by(order, state.epoch, state.history),
+                    world_size, num_workers, batch_size)
+    start = course.positions(rank, state.samples)
+    planner = course.planner(rank, start.epochs[w], w, byte_sizes)   # then skip(start.offsets[w])
 
-DataLoader worker ``p`` then plays logical worker ``w = (p + start.rotation) mod N``: it plans
-epoch ``start.epochs[w]`` of share ``w``, skips ``start.offsets[w]`` anchors
-(:meth:`~refstream.planner.Planner.skip`) and stops after ``start.stops[w]``.
-:func:`batches_per_worker` is the replay underneath: the DataLoader's in-order round robin over
-workers whose streams end. Invariants: ``from_dict(to_dict())`` gives the state back; resuming
-yields exactly the batches the uninterrupted run would have yielded next; what the rank delivered
-before a checkpoint is a function of the checkpoint alone (each logical worker's anchors before
-its position); a checkpoint of another setup (seed, strategy, limits, topology or selection) is
-refused, never reinterpreted.
+DataLoader worker ``p`` plays logical worker ``w = (p + start.rotation) mod N``: it plans epoch
+``start.epochs[w]``, skips ``start.offsets[w]`` anchors and stops after ``start.stops[w]``; with
+``repeat`` it goes on with the following epochs from offset 0. :func:`resume_positions` and
+:func:`batches_per_worker` are the DataLoader replay underneath; :func:`delivered_by` replays
+every rank and worker of the earlier topologies to find what they delivered (:class:`Delivered`),
+and a :class:`Course` plans the rest of those epochs over the current topology.
+
+Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology
+yields exactly the batches the uninterrupted run would have yielded next; with another topology
+the rest of each epoch in progress holds every frame not delivered before, once; what was
+delivered is a function of the checkpoint alone; a checkpoint of another seed, strategy, pool
+setting, repeat or selection is refused, never reinterpreted.
 
 Implements SPEC §3.6 (replay, checkpoints, worker positions), §3.7 (the distributed end of an
-epoch) and the checkpoint fields of §9.4.
+epoch), §3.9 (resuming with another topology) and the checkpoint fields of §9.4.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
+
 from refstream.errors import ResumeError, TopologyChanged, UsageError
-from refstream.planner import STRATEGIES
+from refstream.planner import STRATEGIES, Planner
+from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
 __all__ = [
+    "TOPOLOGY",
     "ResumeSetup",
+    "Segment",
     "ResumeState",
     "ResumePositions",
+    "Order",
+    "Delivered",
+    "Course",
+    "delivered_by",
     "selection_digest",
     "batches_per_worker",
     "epoch_batches",
@@ -63,17 +77,35 @@ class ResumeSetup:
     selection: str  # selection_digest of the selected episodes and their frame counts
 
 
+# The setup fields a resume may change (SPEC §3.9); every other one must match.
+TOPOLOGY = ("world_size", "num_workers", "batch_size")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An earlier topology of a position and the samples every rank consumed under it."""
+
+    world_size: int
+    num_workers: int
+    batch_size: int
+    samples: int
+
+
 @dataclass(frozen=True)
 class ResumeState:
-    """A checkpoint: ``samples`` the rank consumed (whole batches) since ``epoch`` began."""
+    """A checkpoint: ``samples`` the rank consumed (whole batches) with ``setup``'s topology,
+    after the ``history`` of earlier topologies, since ``epoch`` began."""
 
     epoch: int
     samples: int
     setup: ResumeSetup
+    history: tuple[Segment, ...] = ()
 
     def to_dict(self) -> dict:
         """The flat JSON-ready dict of SPEC §3.6 that :meth:`from_dict` reads back."""
-        return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup)}
+        history = [[s.world_size, s.num_workers, s.batch_size, s.samples] for s in self.history]
+        return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup),
+                "history": history}
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
@@ -102,21 +134,48 @@ class ResumeState:
         if not isinstance(state["selection"], str):
             raise ResumeError("resume state field selection must be a string digest")
         setup = ResumeSetup(**{name: state[name] for name in setup_names})
-        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup)
+        history = tuple(_segment(s) for s in _history_list(state.get("history", [])))
+        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup, history=history)
 
-    def require_setup(self, current: ResumeSetup) -> None:
-        """Return if the checkpoint's setup is ``current``; else TopologyChanged naming every
-        field that differs as ``name old -> new``."""
+    def resume_with(self, current: ResumeSetup) -> ResumeState:
+        """The state to resume from with ``current`` (SPEC §3.9): itself under the same
+        topology; under another, this topology's samples join the history and ``current``
+        starts at 0. TopologyChanged names every other field that differs as ``name old ->
+        new``."""
         changes = [
             f"{f.name} {getattr(self.setup, f.name)!r} -> {getattr(current, f.name)!r}"
             for f in fields(ResumeSetup)
-            if getattr(self.setup, f.name) != getattr(current, f.name)
+            if f.name not in TOPOLOGY and getattr(self.setup, f.name) != getattr(current, f.name)
         ]
         if changes:
             raise TopologyChanged(
-                "cannot resume sample-exactly, the checkpoint was taken with another setup: "
-                + ", ".join(changes)
+                "cannot resume, the checkpoint was taken with another order: " + ", ".join(changes)
             )
+        if all(getattr(self.setup, name) == getattr(current, name) for name in TOPOLOGY):
+            return self
+        old = self.setup
+        segment = Segment(old.world_size, old.num_workers, old.batch_size, self.samples)
+        return ResumeState(self.epoch, 0, current, (*self.history, segment))
+
+
+def _history_list(history: object) -> list:
+    if not isinstance(history, list):
+        raise ResumeError("resume state field history must be a list of [world_size, "
+                          "num_workers, batch_size, samples]")
+    return history
+
+
+def _segment(item: object) -> Segment:
+    """One history entry of a checkpoint; ResumeError naming what is wrong with it."""
+    if not isinstance(item, list) or len(item) != 4 or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in item):
+        raise ResumeError(f"resume state history entry {item!r} is not four non-negative "
+                          "integers [world_size, num_workers, batch_size, samples]")
+    if min(item[:3]) < 1:
+        raise ResumeError(f"resume state history entry {item!r} needs a positive world size, "
+                          "worker count and batch size")
+    _check_whole_batches(item[3], item[2])
+    return Segment(*item)
 
 
 def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
@@ -182,12 +241,15 @@ def resume_positions(
     samples: int,
     repeat: bool,
     rank_batches: int | None = None,
+    remainders: Sequence[tuple[Sequence[int], int | None]] = (),
 ) -> ResumePositions:
     """Where every logical worker starts after the rank consumed ``samples`` since ``epoch``
     began (SPEC §3.6 "Worker positions"); ``worker_frames[w]`` is the frame total of logical
     worker ``w``'s share and ``rank_batches`` the :func:`epoch_batches` of a finite distributed
-    epoch (default: all the rank's batches). ResumeError for a position that is not whole
-    batches."""
+    epoch (default: all the rank's batches). ``remainders[i]`` are the anchors of each worker's
+    plan and the rank's batches (None: all) in epoch ``epoch + i`` when those epochs are the
+    rest of epochs in progress (SPEC §3.9); ordinary epochs follow. ResumeError for a position
+    that is not whole batches."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if epoch < 0 or samples < 0:
@@ -198,26 +260,192 @@ def resume_positions(
     batches = samples // batch_size
     if repeat:
         counts, rotation = batches_per_worker(batches, [None] * len(worker_frames))
-        rolled = [divmod(c * batch_size, f) for c, f in zip(counts, worker_frames, strict=True)]
-        return ResumePositions(
-            epochs=tuple(epoch + q for q, _ in rolled),
-            offsets=tuple(r for _, r in rolled),
-            stops=(None,) * len(worker_frames),
-            rotation=rotation,
-        )
-    limits: list[int | None] = [_batches(f, batch_size) for f in worker_frames]
+        epochs, offsets = [], []
+        for w, count in enumerate(counts):
+            anchors, at = count * batch_size, epoch
+            for lengths, _ in remainders:
+                if anchors < lengths[w]:
+                    break
+                anchors, at = anchors - lengths[w], at + 1
+            else:
+                whole, anchors = divmod(anchors, worker_frames[w])
+                at += whole
+            epochs.append(at)
+            offsets.append(anchors)
+        return ResumePositions(tuple(epochs), tuple(offsets), (None,) * len(worker_frames),
+                               rotation)
+    for lengths, rest_batches in remainders:
+        limits: list[int | None] = [_batches(f, batch_size) for f in lengths]
+        per_epoch = sum(limits) if rest_batches is None else rest_batches
+        if batches < per_epoch:
+            return _finite_positions(lengths, batch_size, epoch, batches, limits, per_epoch)
+        batches, epoch = batches - per_epoch, epoch + 1
+    limits = [_batches(f, batch_size) for f in worker_frames]
     per_epoch = sum(limits) if rank_batches is None else rank_batches
     if not 1 <= per_epoch <= sum(limits):
         raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits)}]")
     whole_epochs, batches = divmod(batches, per_epoch)
+    return _finite_positions(worker_frames, batch_size, epoch + whole_epochs, batches, limits,
+                             per_epoch)
+
+
+def _finite_positions(frames: Sequence[int], batch_size: int, epoch: int, batches: int,
+                      limits: list[int | None], per_epoch: int) -> ResumePositions:
+    """Positions ``batches`` into a finite epoch of ``per_epoch`` batches."""
     counts, rotation = batches_per_worker(batches, limits)
     ends, _ = batches_per_worker(per_epoch, limits)
     return ResumePositions(
-        epochs=(epoch + whole_epochs,) * len(worker_frames),
-        offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, worker_frames, strict=True)),
-        stops=tuple(min(c * batch_size, f) for c, f in zip(ends, worker_frames, strict=True)),
+        epochs=(epoch,) * len(frames),
+        offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, frames, strict=True)),
+        stops=tuple(min(c * batch_size, f) for c, f in zip(ends, frames, strict=True)),
         rotation=rotation,
     )
+
+
+# --- another topology: what was delivered, and the rest of the epochs in progress -------------
+
+
+@dataclass(frozen=True)
+class Order:
+    """Everything that fixes every worker's plan besides the topology and the position: the
+    selection and the planner settings. ``byte_sizes`` (one per episode) is needed only to
+    replay other workers under a byte budget."""
+
+    episodes: tuple[int, ...]
+    frames: tuple[int, ...]
+    seed: int
+    strategy: str
+    pool_size: int | None  # per worker as configured; None = the per-rank default
+    byte_budget: int | None  # per rank
+    repeat: bool
+    byte_sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """The epochs in progress (SPEC §3.9): ``counts[i][k]`` frames of episode ``order.episodes[k]``
+    were delivered in epoch ``first + i`` (the first of its keyed order); later epochs have none
+    delivered, earlier ones are over."""
+
+    first: int
+    counts: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """One epoch under one topology: its shares, their anchors, the rank's batches."""
+
+    delivered: np.ndarray | None  # per episode; None = an ordinary epoch
+    shares: list[list[list[int]]]  # [rank][worker] -> episodes
+    lengths: list[list[int]]  # [rank][worker] -> anchors of the plan
+    rank_batches: int | None  # None with repeat
+
+
+class Course:
+    """Every rank's and worker's plans under one topology (SPEC §3.9): the rest of the epochs in
+    progress of ``delivered``, then ordinary epochs (whose shares must all hold episodes, else
+    ShardingError)."""
+
+    def __init__(self, order: Order, delivered: Delivered, world_size: int, num_workers: int,
+                 batch_size: int) -> None:
+        self.order, self.delivered = order, delivered
+        self.world_size, self.num_workers, self.batch_size = world_size, num_workers, batch_size
+        self._index = {e: i for i, e in enumerate(order.episodes)}
+        self._frames = np.asarray(order.frames, dtype=np.int64)
+        self._limits = split_limits(num_workers, pool_size=order.pool_size,
+                                    byte_budget=order.byte_budget, decoder_cache=None, cameras=0)
+        self._ordinary = self._plan(None)
+        self._open = [self._plan(counts) for counts in delivered.counts]
+
+    def _plan(self, delivered: np.ndarray | None) -> _Epoch:
+        left = self._frames if delivered is None else self._frames - delivered
+        episodes, counts = list(self.order.episodes), left.tolist()
+        shares = []
+        for ids in lpt_partition(episodes, counts, self.world_size):
+            shares.append(lpt_partition(ids, [counts[self._index[e]] for e in ids],
+                                        self.num_workers))
+        if delivered is None:
+            for rank, parts in enumerate(shares):
+                if not all(parts):  # ShardingError saying what to use instead
+                    ids = rank_share(episodes, counts, rank, self.world_size)
+                    worker_shares(ids, [counts[self._index[e]] for e in ids], self.num_workers)
+        lengths = [[int(left[[self._index[e] for e in part]].sum()) for part in parts]
+                   for parts in shares]
+        batches = None if self.order.repeat else epoch_batches(lengths, self.batch_size)
+        return _Epoch(delivered, shares, lengths, batches)
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        i = epoch - self.delivered.first
+        return self._open[i] if 0 <= i < len(self._open) else self._ordinary
+
+    def share(self, rank: int, worker: int, epoch: int) -> list[int]:
+        """The episodes logical worker ``worker`` of rank ``rank`` plans in ``epoch``."""
+        return self._epoch(epoch).shares[rank][worker]
+
+    def positions(self, rank: int, samples: int) -> ResumePositions:
+        """Where each logical worker of ``rank`` starts after ``samples`` with this topology."""
+        return resume_positions(
+            self._ordinary.lengths[rank], self.batch_size, epoch=self.delivered.first,
+            samples=samples, repeat=self.order.repeat, rank_batches=self._ordinary.rank_batches,
+            remainders=[(e.lengths[rank], e.rank_batches) for e in self._open])
+
+    def planner(self, rank: int, epoch: int, worker: int,
+                byte_sizes: Mapping[int, int] | None) -> Planner:
+        """The plan of logical worker ``worker`` of ``rank`` in ``epoch``; ``byte_sizes`` of its
+        episodes apply the budget (None: no budget)."""
+        plan = self._epoch(epoch)
+        share = plan.shares[rank][worker]
+        at = [self._index[e] for e in share]
+        budget = None if byte_sizes is None else self._limits.byte_budget
+        return Planner(
+            share, self._frames[at].tolist(), seed=self.order.seed, epoch=epoch, rank=rank,
+            worker=worker, strategy=self.order.strategy, pool_size=self._limits.pool_size,
+            byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
+            byte_budget=budget,
+            delivered=None if plan.delivered is None else plan.delivered[at].tolist())
+
+    def after(self, samples: int) -> Delivered:
+        """What has been delivered once every rank consumed ``samples`` with this topology."""
+        order = self.order
+        sizes = None
+        if order.byte_budget is not None:
+            if order.byte_sizes is None:
+                raise UsageError("replaying workers under a byte budget needs the byte sizes")
+            sizes = dict(zip(order.episodes, order.byte_sizes, strict=True))
+        starts = [self.positions(rank, samples) for rank in range(self.world_size)]
+        first = min(min(start.epochs) for start in starts)
+        last = max([*(max(start.epochs) for start in starts),
+                    self.delivered.first + len(self.delivered.counts) - 1])
+        counts = []
+        for epoch in range(first, last + 1):
+            plan = self._epoch(epoch)
+            counts.append(np.zeros_like(self._frames) if plan.delivered is None
+                          else plan.delivered.copy())
+        for rank, start in enumerate(starts):
+            for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets,
+                                                         strict=True)):
+                for done in range(first, epoch):  # whole plans: a repeat worker ran ahead
+                    at = [self._index[e] for e in self.share(rank, worker, done)]
+                    counts[done - first][at] = self._frames[at]
+                if offset:
+                    planner = self.planner(rank, epoch, worker, sizes)
+                    planner.skip(offset)
+                    for episode, n in planner.emitted().items():
+                        counts[epoch - first][self._index[episode]] += n
+        while counts and not counts[-1].any():
+            counts.pop()
+        return Delivered(first, tuple(counts))
+
+
+def delivered_by(order: Order, epoch: int, history: Sequence[Segment]) -> Delivered:
+    """What the topologies of ``history`` delivered, one after the other, from the start of
+    ``epoch`` (SPEC §3.9)."""
+    delivered = Delivered(epoch)
+    for segment in history:
+        course = Course(order, delivered, segment.world_size, segment.num_workers,
+                        segment.batch_size)
+        delivered = course.after(segment.samples)
+    return delivered
 
 
 def _check_whole_batches(samples: int, batch_size: int) -> None:

@@ -44,6 +44,7 @@ an exception in any thread reaches the consumer with its cause chained.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import deque
@@ -64,13 +65,16 @@ from refstream.meta import INFO_PATH, DatasetMeta, column_array, load_meta, sele
 from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES, Planner
 from refstream.resume import (
+    Course,
+    Delivered,
+    Order,
     ResumeSetup,
     ResumeState,
-    epoch_batches,
-    resume_positions,
+    Segment,
+    delivered_by,
     selection_digest,
 )
-from refstream.rng import resolve_seed
+from refstream.rng import MASK64, resolve_seed
 from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
@@ -83,8 +87,9 @@ GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
 MAX_FETCH_THREADS = 4
-# Layout of the shared position tensor (int64): where every new iterator starts.
-_EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS = range(4)
+# Layout of the shared position tensor (int64): where every new iterator starts, with which
+# seed (its 64 bits), and the digest of the earlier topologies it resumes after (0: none).
+_EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS, _SEED, _HISTORY = range(6)
 # Per-worker counters every worker publishes in shared memory (for the demo, benches and tests);
 # workers with an id beyond MAX_TRACKED_WORKERS stream normally but publish nothing.
 STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
@@ -150,6 +155,7 @@ class StreamingDataset(IterableDataset):
         self.root = str(root)
         self.tolerance_s = float(tolerance_s)
         self.seed = resolve_seed(seed)
+        self._seed_given = seed is not None  # else a checkpoint's seed is taken
         self.sampling_strategy = sampling_strategy
         self.episode_pool_size = episode_pool_size
         self.prefetch_episodes = prefetch_episodes
@@ -179,8 +185,12 @@ class StreamingDataset(IterableDataset):
             source.close()
         self._frames_of = dict(zip(self.episodes, self.frames, strict=True))
         self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
-        # (epoch, samples, resume batch size, resume worker count); 0 batch size = no resume.
-        self._position = torch.zeros(4, dtype=torch.int64).share_memory_()
+        # The position (see _EPOCH…); 0 batch size = no resume. The earlier topologies of a
+        # resume and what they delivered live here (workers get them when they start).
+        self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
+        self._history: tuple[Segment, ...] = ()
+        self._delivered: Delivered | None = None
+        self.set_epoch(0)
         self._stats = torch.zeros((MAX_TRACKED_WORKERS, len(STAT_FIELDS)),
                                   dtype=torch.int64).share_memory_()
 
@@ -236,7 +246,13 @@ class StreamingDataset(IterableDataset):
         """Start every following iterator at the beginning of ``epoch`` (clears a resume)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self._position.copy_(torch.tensor([epoch, 0, 0, 0]))
+        self._history, self._delivered = (), None
+        self._set_position(epoch, 0, 0, 0)
+
+    def _set_position(self, epoch: int, samples: int, batch_size: int, num_workers: int) -> None:
+        seed = self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed  # int64 bits
+        self._position.copy_(torch.tensor([epoch, samples, batch_size, num_workers, seed,
+                                           _digest(self._history)]))
 
     @property
     def epoch(self) -> int:
@@ -253,20 +269,34 @@ class StreamingDataset(IterableDataset):
                 f"checkpointing with {batch_size}"
             )
         state = ResumeState(epoch=self.epoch, samples=base + samples,
-                            setup=self._setup(batch_size, max(1, num_workers)))
+                            setup=self._setup(batch_size, max(1, num_workers)),
+                            history=self._history)
         ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
         return state.to_dict()
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Start every following iterator where ``state`` (from :meth:`state_dict`) left off.
-
-        Everything but the DataLoader's worker count is checked now (TopologyChanged names what
-        differs); the worker count is checked when iteration starts."""
+    def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
+        """Start every following iterator where ``state`` (from :meth:`state_dict`) left off,
+        with this dataset's world size and ``batch_size`` and a DataLoader of ``num_workers``
+        workers (default: the checkpoint's). Any of the three may differ from the checkpoint's:
+        the rest of the epochs in progress is then planned over the new topology (SPEC §3.9),
+        which replays every rank of the old one here. A dataset built without ``seed`` takes
+        the checkpoint's; another seed, strategy, pool setting, ``repeat`` or selection is
+        TopologyChanged."""
+        if self.batch_size is None:
+            raise UsageError(
+                "load_state_dict needs the DataLoader's batch size to place every worker: "
+                "build the dataset with batch_size=B (the DataLoader's)")
         parsed = ResumeState.from_dict(dict(state))
-        expected = self._setup(parsed.setup.batch_size, parsed.setup.num_workers)
-        parsed.require_setup(expected)
-        self._position.copy_(torch.tensor(
-            [parsed.epoch, parsed.samples, parsed.setup.batch_size, parsed.setup.num_workers]))
+        if not self._seed_given:
+            self.seed = parsed.setup.seed
+        workers = parsed.setup.num_workers if num_workers is None else max(1, num_workers)
+        resumed = parsed.resume_with(self._setup(self.batch_size, workers))
+        self._history = resumed.history
+        self._delivered = None
+        if resumed.history:
+            sizes = self._byte_sizes(self.episodes) if self.meta.camera_keys else None
+            self._delivered = delivered_by(self._order(sizes), resumed.epoch, resumed.history)
+        self._set_position(resumed.epoch, resumed.samples, self.batch_size, workers)
 
     def _setup(self, batch_size: int, num_workers: int) -> ResumeSetup:
         if self.batch_size is not None and batch_size != self.batch_size:
@@ -287,21 +317,48 @@ class StreamingDataset(IterableDataset):
 
     # --- iteration ----------------------------------------------------------------------------
 
+    def _order(self, byte_sizes: dict[int, int] | None = None) -> Order:
+        return Order(
+            tuple(self.episodes), tuple(self.frames), seed=self.seed,
+            strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
+            byte_budget=self.byte_budget if self.meta.camera_keys else None, repeat=self.repeat,
+            byte_sizes=None if byte_sizes is None else tuple(byte_sizes[e] for e in self.episodes))
+
+    def _byte_sizes(self, episodes: list[int]) -> dict[int, int]:
+        """Each episode's exact byte size, computed as a worker computes its share's."""
+        limits = shard.split_limits(1, pool_size=None, byte_budget=self.byte_budget,
+                                    decoder_cache=None, cameras=len(self.meta.camera_keys))
+        worker = _WorkerStream(self, episodes, limits, None)
+        try:
+            return dict(worker.byte_sizes)
+        finally:
+            worker.close()
+
+    # --- iteration ----------------------------------------------------------------------------
+
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        epoch, samples, resume_batch, resume_workers = (int(v) for v in self._position)
+        epoch, samples, resume_batch, resume_workers, seed, history = (
+            int(v) for v in self._position)
+        self.seed = seed & MASK64
+        if history and history != _digest(self._history):
+            raise UsageError(
+                "a checkpoint of another topology was loaded after this DataLoader's persistent "
+                "workers started: load it before the first iter(loader)")
         if resume_batch and resume_workers != num_workers:
             raise TopologyChanged(
-                f"the checkpoint was taken with {resume_workers} DataLoader worker(s), this "
-                f"DataLoader has {num_workers}"
-            )
-        shares = self._worker_shares(num_workers)
-        share_frames = [sum(self._frames_of[e] for e in s) for s in shares]
-        batch_size = resume_batch or self.batch_size or 1
-        positions = resume_positions(share_frames, batch_size, epoch=epoch, samples=samples,
-                                     repeat=self.repeat,
-                                     rank_batches=self._rank_batches(num_workers, batch_size))
+                f"the checkpoint was loaded for {resume_workers} DataLoader worker(s), this "
+                f"DataLoader has {num_workers}: pass num_workers={num_workers} to "
+                "load_state_dict to resume with them")
+        if not (self.repeat or self.world_size == 1 or resume_batch or self.batch_size):
+            raise UsageError(
+                f"world_size {self.world_size} without repeat: pass batch_size (the "
+                "DataLoader's) so every rank stops after the same number of batches, or use "
+                "repeat=True")
+        course = Course(self._order(), self._delivered if history else Delivered(epoch),
+                        self.world_size, num_workers, resume_batch or self.batch_size or 1)
+        positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
         if worker < MAX_TRACKED_WORKERS:
             self._stats[worker].zero_()
@@ -309,54 +366,27 @@ class StreamingDataset(IterableDataset):
             num_workers, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
-        return self._stream(shares[logical], logical, worker, limits, positions.epochs[logical],
+        return self._stream(course, logical, worker, limits, positions.epochs[logical],
                             positions.offsets[logical], positions.stops[logical])
 
-    def _worker_shares(self, num_workers: int) -> list[list[int]]:
-        frames = [self._frames_of[e] for e in self.rank_episodes]
-        return shard.worker_shares(self.rank_episodes, frames, num_workers)
-
-    def _rank_batches(self, num_workers: int, batch_size: int) -> int | None:
-        """Batches per rank per epoch under the distributed end-of-epoch rule (None: all)."""
-        if self.repeat or self.world_size == 1:
-            return None
-        if self.batch_size is None:
-            raise UsageError(
-                f"world_size {self.world_size} without repeat: pass batch_size (the "
-                "DataLoader's) so every rank stops after the same number of batches, or use "
-                "repeat=True"
-            )
-        world = []
-        for rank in range(self.world_size):
-            ids = shard.rank_share(self.episodes, self.frames, rank, self.world_size)
-            shares = shard.worker_shares(ids, [self._frames_of[e] for e in ids], num_workers)
-            world.append([sum(self._frames_of[e] for e in s) for s in shares])
-        return epoch_batches(world, batch_size)
-
-    def _stream(self, share: list[int], logical: int, worker_id: int,
+    def _stream(self, course: Course, logical: int, worker_id: int,
                 limits: shard.WorkerLimits, epoch: int, offset: int,
                 stop: int | None) -> Iterator[dict]:
         stats = self._stats[worker_id] if worker_id < MAX_TRACKED_WORKERS else None
-        worker = _WorkerStream(self, share, limits, stats)
+        ordinary = course.delivered.first + len(course.delivered.counts)
+        episodes = set(course.share(self.rank, logical, ordinary))
+        for later in range(epoch, ordinary):  # the rest of epochs in progress
+            episodes.update(course.share(self.rank, logical, later))
+        worker = _WorkerStream(self, sorted(episodes), limits, stats)
         try:
             while True:
-                planner = self._planner(share, logical, limits, epoch, worker.byte_sizes)
+                planner = course.planner(self.rank, epoch, logical, worker.byte_sizes)
                 yield from worker.run(planner, offset, stop)
                 if not self.repeat:
                     return
                 epoch, offset = epoch + 1, 0
         finally:
             worker.close()
-
-    def _planner(self, share: list[int], logical: int, limits: shard.WorkerLimits, epoch: int,
-                 byte_sizes: dict[int, int] | None) -> Planner:
-        return Planner(
-            share, [self._frames_of[e] for e in share], seed=self.seed, epoch=epoch,
-            rank=self.rank, worker=logical, strategy=self.sampling_strategy,
-            pool_size=limits.pool_size,
-            byte_sizes=None if byte_sizes is None else [byte_sizes[e] for e in share],
-            byte_budget=None if byte_sizes is None else limits.byte_budget,
-        )
 
     # --- sidecar ------------------------------------------------------------------------------
 
@@ -646,6 +676,14 @@ def _check_anchor(item: dict, episode: int, frame: int, first_index: int) -> Non
     if "index" in item and int(item["index"]) != first_index + frame:
         raise TableError(f"episode {episode} frame {frame}: row has index {int(item['index'])}, "
                          f"expected {first_index + frame}")
+
+
+def _digest(history: tuple[Segment, ...]) -> int:
+    """A positive 62-bit digest of a resume history; 0 for none."""
+    if not history:
+        return 0
+    text = repr([tuple(vars(segment).values()) for segment in history]).encode("ascii")
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2 | 1
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""Independent, deliberately plain re-implementations of the spec's RNG, sharding, planner and
-DataLoader batch order — the oracles the core tests and the rng/shard/plan/resume fixtures are
+"""Independent, deliberately plain re-implementations of the spec's RNG, sharding, planner,
+DataLoader batch order and elastic resume (whole simulations of every rank, kept as sets of
+delivered anchors) — the oracles the core tests and the rng/shard/plan/resume fixtures are
 checked against. Written from ``spec/SPEC.md`` §1–§3, sharing no code
 with ``refstream``: Python integers only, lists instead of heaps and deques, whole simulations.
 
@@ -75,9 +76,11 @@ def lpt(ids, frames, parts: int) -> list[list[int]]:
 
 
 def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
-         byte_sizes=None, byte_budget=None):
-    """The whole epoch as a list of steps: ("admit", e) / ("evict", e) / ("anchor", e, f)."""
-    count = {e: f for e, f in zip(episodes, frames, strict=True) if f > 0}
+         byte_sizes=None, byte_budget=None, delivered=None):
+    """The whole epoch as a list of steps: ("admit", e) / ("evict", e) / ("anchor", e, f).
+    ``delivered[i]`` frames of episode i's keyed order were emitted before (SPEC §3.9)."""
+    done = dict(zip(episodes, delivered or [0] * len(episodes), strict=True))
+    count = {e: f for e, f in zip(episodes, frames, strict=True) if f - done[e] > 0}
     size = dict(zip(episodes, byte_sizes, strict=True)) if byte_sizes is not None else None
     pending = keyed_order(key_of(seed, epoch, "admit"), list(count))
     residents = []  # [episode, frame list in emission order, next position]
@@ -97,7 +100,7 @@ def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
                 return
             pending.remove(choice)
             order = keyed_order(key_of(seed, epoch, "frames", choice), range(count[choice]))
-            residents.append([choice, order, 0])
+            residents.append([choice, order, done[choice]])
             steps.append(("admit", choice))
 
     admit()
@@ -183,6 +186,109 @@ def _endless():
     while True:
         yield i
         i += 1
+
+
+# --- elastic resume: every rank of every topology simulated, anchors kept as sets --------------
+
+
+def worker_plans(inp, seen, epoch, world, workers):
+    """[rank][worker] -> the anchors of that worker's plan in ``epoch``, planned over the frames
+    not in ``seen`` (the anchors delivered in that epoch before)."""
+    count = dict(zip(inp["episodes"], inp["frames"], strict=True))
+    done = {e: sum(1 for (x, _) in seen if x == e) for e in count}
+    for e in count:  # delivered frames are always the first of the episode's keyed order
+        order = keyed_order(key_of(_seed(inp), epoch, "frames", e), range(count[e]))
+        assert {(e, f) for f in order[: done[e]]} == {a for a in seen if a[0] == e}
+    left = [count[e] - done[e] for e in inp["episodes"]]
+    pool = inp["pool_size"] or max(1, (64 + workers) // (2 * workers))
+    budget = inp.get("byte_budget")
+    size = dict(zip(inp["episodes"], inp.get("byte_sizes") or [0] * len(count), strict=True))
+    plans = []
+    for r, rank_ids in enumerate(lpt(inp["episodes"], left, world)):
+        rank_left = [count[e] - done[e] for e in rank_ids]
+        row = []
+        for w, ids in enumerate(lpt(rank_ids, rank_left, workers)):
+            steps = plan(ids, [count[e] for e in ids], seed=_seed(inp), epoch=epoch, rank=r,
+                         worker=w, strategy=inp["strategy"], pool_size=pool,
+                         byte_sizes=None if budget is None else [size[e] for e in ids],
+                         byte_budget=None if budget is None else budget // workers,
+                         delivered=[done[e] for e in ids])
+            row.append([(epoch, e, f) for e, f in anchors_of(steps)])
+        plans.append(row)
+    return plans
+
+
+def _seed(inp):
+    return 42 if inp["seed"] is None else inp["seed"]
+
+
+def run_topology(inp, first, seen, world, workers, batch, batches):
+    """Every rank of one topology consumes ``batches`` batches from ``first`` on; returns the
+    new (first, seen) where seen[epoch] is the set of anchors delivered in that epoch."""
+    seen = {e: set(a) for e, a in seen.items()}
+    if inp["repeat"]:
+        seen_then, plans = {e: set(a) for e, a in seen.items()}, {}
+
+        def endless(r, w):
+            e = first
+            while True:
+                if e not in plans:
+                    plans[e] = worker_plans(inp, seen_then.get(e, set()), e, world, workers)
+                yield from plans[e][r][w]
+                e += 1
+
+        for r in range(world):
+            got = dataloader([endless(r, w) for w in range(workers)], batch, max_batches=batches)
+            for _, b in got:
+                for e, x, f in b:
+                    seen.setdefault(e, set()).add((x, f))
+        total = sum(inp["frames"])
+        first = min(e for e in range(first, first + 10**6) if len(seen.get(e, ())) < total)
+        return first, {e: a for e, a in seen.items() if e >= first}
+    while True:
+        plans = worker_plans(inp, seen.get(first, set()), first, world, workers)
+        per_rank = [dataloader(rank, batch) for rank in plans]
+        common = min(len(got) for got in per_rank)  # the distributed end of an epoch
+        if batches < common:
+            for got in per_rank:
+                for _, b in got[:batches]:
+                    seen.setdefault(first, set()).update((x, f) for _, x, f in b)
+            return first, {first: seen.get(first, set())}
+        batches -= common
+        first += 1
+
+
+def expected_elastic(inp: dict) -> dict:
+    """Every new worker's anchors of the rest of the epochs in progress (SPEC §3.9)."""
+    topologies = [*(h[:3] for h in inp["history"]),
+                  (inp["world_size"], inp["num_workers"], inp["batch_size"])]
+    for world, workers, _ in topologies:  # ordinary epochs need every share non-empty
+        for rank_ids in lpt(inp["episodes"], inp["frames"], world):
+            rank_frames = [dict(zip(inp["episodes"], inp["frames"], strict=True))[e]
+                           for e in rank_ids]
+            if not all(lpt(rank_ids, rank_frames, workers)):
+                return {"error": "ShardingError"}
+    first, seen = inp["epoch"], {}
+    for world, workers, batch, samples in inp["history"]:
+        first, seen = run_topology(inp, first, seen, world, workers, batch, samples // batch)
+    world, workers, batch = topologies[-1]
+    if inp["repeat"]:
+        last = max([first - 1, *(e for e, a in seen.items() if a)])
+        out = [[[] for _ in range(workers)] for _ in range(world)]
+        for e in range(first, last + 1):
+            for r, row in enumerate(worker_plans(inp, seen.get(e, set()), e, world, workers)):
+                for w, anchors in enumerate(row):
+                    out[r][w] += [list(a) for a in anchors]
+        return {"first": first, "workers": out}
+    plans = worker_plans(inp, seen.get(first, set()), first, world, workers)
+    common = min(len(dataloader(rank, batch)) for rank in plans)
+    out = []
+    for rank in plans:  # each worker up to its stop: its anchors in the first `common` batches
+        row = [[] for _ in rank]
+        for w, b in dataloader(rank, batch)[:common]:
+            row[w] += [list(a) for a in b]
+        out.append(row)
+    return {"first": first, "workers": out}
 
 
 # --- fixtures ------------------------------------------------------------------------------------
@@ -359,6 +465,7 @@ ORACLES = {
     "resume": expected_resume,
     "epoch_batches": expected_epoch_batches,
     "batches_per_worker": expected_batches_per_worker,
+    "elastic_resume": expected_elastic,
 }
 
 def _write(area: str, name: str, kind: str, description: str, inp: dict, expected: dict) -> None:

@@ -29,6 +29,7 @@ from refstream.planner import Planner
 from refstream.resume import (
     ResumeSetup,
     ResumeState,
+    Segment,
     batches_per_worker,
     epoch_batches,
     resume_positions,
@@ -192,10 +193,14 @@ def test_resume_state_round_trip_and_checks():
     document = json.loads(json.dumps(state.to_dict()))
     restored = ResumeState.from_dict(document)
     assert restored == state
-    restored.require_setup(SETUP)
+    assert restored.resume_with(SETUP) is restored
     changed = dataclasses.replace(SETUP, world_size=4, num_workers=2)
-    with pytest.raises(TopologyChanged, match=r"world_size 2 -> 4, num_workers 4 -> 2"):
-        restored.require_setup(changed)
+    elastic = restored.resume_with(changed)  # the old topology's samples become history
+    assert elastic == ResumeState(3, 0, changed, (Segment(2, 4, 8, 64),))
+    assert ResumeState.from_dict(json.loads(json.dumps(elastic.to_dict()))) == elastic
+    other = dataclasses.replace(SETUP, seed=1, strategy="round_robin", world_size=3)
+    with pytest.raises(TopologyChanged, match=r"seed 42 -> 1, strategy 'pool' -> 'round_robin'$"):
+        restored.resume_with(other)
 
 
 @pytest.mark.parametrize(

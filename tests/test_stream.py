@@ -362,7 +362,7 @@ def _batches(dataset, num_workers: int, limit: int | None) -> list[list[tuple[in
 @pytest.mark.parametrize("repeat", [False, True])
 def test_resume_yields_the_uninterrupted_remainder(resume_root, num_workers, strategy, repeat):
     options = {"seed": 7, "sampling_strategy": strategy, "episode_pool_size": 2,
-               "repeat": repeat, "return_uint8": True}
+               "repeat": repeat, "return_uint8": True, "batch_size": BATCH}
     total = sum(RESUME_LENGTHS)
     # With repeat, cover a bit more than one epoch so batches straddle the epoch boundary.
     horizon = (total * 3 // 2) // BATCH if repeat else None
@@ -380,15 +380,27 @@ def test_resume_yields_the_uninterrupted_remainder(resume_root, num_workers, str
         assert rest == full[stop:], (stop, state)
 
 
-def test_resume_refuses_another_topology(resume_root):
+def test_resume_refuses_another_order_and_a_loader_it_was_not_loaded_for(resume_root):
     dataset = StreamingDataset(resume_root, seed=7)
     state = dataset.state_dict(8, batch_size=BATCH, num_workers=2)
-    with pytest.raises(TopologyChanged, match="seed"):
-        StreamingDataset(resume_root, seed=8).load_state_dict(state)
-    other = StreamingDataset(resume_root, seed=7)
+    with pytest.raises(TopologyChanged, match="seed 7 -> 8"):
+        StreamingDataset(resume_root, seed=8, batch_size=BATCH).load_state_dict(state)
+    with pytest.raises(UsageError, match="batch_size=B"):  # the workers' offsets need it
+        StreamingDataset(resume_root, seed=7).load_state_dict(state)
+    other = StreamingDataset(resume_root, seed=7, batch_size=BATCH)
     other.load_state_dict(state)
-    with pytest.raises(TopologyChanged, match="worker"):
+    with pytest.raises(TopologyChanged, match="pass num_workers=1 to load_state_dict"):
         _batches(other, 0, None)
+
+
+def test_a_dataset_without_a_seed_takes_the_checkpoints(resume_root):
+    full = _batches(StreamingDataset(resume_root, seed=7, return_uint8=True), 0, None)
+    first = StreamingDataset(resume_root, seed=7, batch_size=BATCH)
+    state = first.state_dict(2 * BATCH, batch_size=BATCH, num_workers=1)
+    resumed = StreamingDataset(resume_root, batch_size=BATCH, return_uint8=True)
+    resumed.load_state_dict(state)
+    assert resumed.seed == 7
+    assert _batches(resumed, 0, None) == full[2:]
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

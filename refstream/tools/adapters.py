@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import re
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +39,13 @@ from refstream.meta import MemorySource, load_meta, select_episodes
 from refstream.mp4 import parse_index_bytes
 from refstream.planner import Planner
 from refstream.resume import (
+    Course,
+    Order,
     ResumeSetup,
     ResumeState,
+    Segment,
     batches_per_worker,
+    delivered_by,
     epoch_batches,
     resume_positions,
 )
@@ -156,6 +161,7 @@ def kind_plan(case: dict) -> dict:
         pool_size=case["pool_size"],
         byte_sizes=case.get("byte_sizes"),
         byte_budget=case.get("byte_budget"),
+        delivered=case.get("delivered"),
     )
     planner.skip(case.get("skip", 0))
     frontier = planner.frontier(case.get("frontier", 0))
@@ -198,10 +204,38 @@ def kind_resume_state(case: dict) -> dict:
     saved = dict(case["saved"])
     if "seed" in saved:
         saved["seed"] = decode_u64(saved["seed"])
-    state = ResumeState.from_dict(saved)
-    state.require_setup(ResumeSetup(**{**case["current"],
-                                       "seed": decode_u64(case["current"]["seed"])}))
-    return {"epoch": state.epoch, "samples": state.samples}
+    current = ResumeSetup(**{**case["current"], "seed": decode_u64(case["current"]["seed"])})
+    state = ResumeState.from_dict(saved).resume_with(current)
+    return {"epoch": state.epoch, "samples": state.samples,
+            "history": state.to_dict()["history"]}
+
+
+def kind_elastic_resume(case: dict) -> dict:
+    """Kind ``elastic_resume`` (SPEC §3.9). The seed is a 64-bit field."""
+    sizes = case.get("byte_sizes")
+    order = Order(tuple(case["episodes"]), tuple(case["frames"]),
+                  seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
+                  pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
+                  repeat=case["repeat"], byte_sizes=None if sizes is None else tuple(sizes))
+    delivered = delivered_by(order, case["epoch"], [Segment(*h) for h in case["history"]])
+    course = Course(order, delivered, case["world_size"], case["num_workers"],
+                    case["batch_size"])
+    by_episode = None if sizes is None else dict(zip(case["episodes"], sizes, strict=True))
+    last = delivered.first + len(delivered.counts) - 1 if case["repeat"] else delivered.first
+    workers = []
+    for rank in range(case["world_size"]):
+        start, row = course.positions(rank, 0), []
+        for worker in range(case["num_workers"]):
+            epoch, anchors = start.epochs[worker], []
+            for at in range(epoch, last + 1):
+                planner = course.planner(rank, at, worker, by_episode)
+                planner.skip(start.offsets[worker] if at == epoch else 0)
+                stop = start.stops[worker]
+                taken = planner.remaining if stop is None else stop - start.offsets[worker]
+                anchors += [[at, e, f] for e, f in islice(planner, taken)]
+            row.append(anchors)
+        workers.append(row)
+    return {"first": delivered.first, "workers": workers}
 
 
 # Arrow types a conformance case may give a Parquet column.
@@ -449,6 +483,7 @@ ADAPTERS = {
     "resume": kind_resume,
     "epoch_batches": kind_epoch_batches,
     "resume_state": kind_resume_state,
+    "elastic_resume": kind_elastic_resume,
     "meta": kind_meta,
     "windows": kind_windows,
     "range_response": kind_range_response,
