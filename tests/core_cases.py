@@ -2,7 +2,8 @@
 
 Each case is ``(area, name, kind, description, input, expected)``. ``expected`` is written by
 hand where it can be derived by hand (it must then also agree with the oracle in
-``core_oracle.py``); ``None`` means the oracle computes it. Kinds without an oracle (``limits``,
+``core_oracle.py``); ``None`` means the oracle computes it (``elastic_resume`` by simulating
+every rank of every topology). Kinds without an oracle (``limits``,
 ``resume_state``) are derived by hand from the spec's arithmetic.
 """
 
@@ -31,6 +32,13 @@ def _rng(seed: int, labels: list, indices: list[int], below_n: int, permute: lis
 def _plan(**overrides) -> dict:
     base = {"episodes": [0, 1, 2, 3, 4], "frames": [3, 5, 2, 4, 1], "seed": "42", "epoch": 0,
             "rank": 0, "worker": 0, "strategy": "pool", "pool_size": 2}
+    base.update(overrides)
+    return base
+
+
+def _elastic(**overrides) -> dict:
+    base = {"episodes": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "frames": [4, 7, 2, 5, 3, 6, 1, 4, 5, 3],
+            "seed": 11, "strategy": "pool", "pool_size": None, "repeat": False, "epoch": 2}
     base.update(overrides)
     return base
 
@@ -301,6 +309,49 @@ CASES = [
     ("resume", "state-seed-changed", "resume_state", "another seed is refused",
      {"saved": {"epoch": 3, "samples": 64, **_SETUP}, "current": {**_SETUP, "seed": 7}},
      {"error": "TopologyChanged"}),
+    # --- resume with another topology ---
+    ("resume", "elastic-2-ranks-to-1", "elastic_resume",
+     "2 ranks x 2 workers, 3 batches of 4 each -> 1 rank x 3 workers, batch 2",
+     _elastic(history=[[2, 2, 4, 12]], world_size=1, num_workers=3, batch_size=2), None),
+    ("resume", "elastic-1-rank-to-2", "elastic_resume",
+     "1 rank x 2 workers, 6 batches of 4 -> 2 ranks x 2 workers; pool 1 leaves whole and "
+     "partly delivered episodes",
+     _elastic(history=[[1, 2, 4, 24]], pool_size=1, world_size=2, num_workers=2, batch_size=4),
+     None),
+    ("resume", "elastic-8-ranks-to-6", "elastic_resume",
+     "8 ranks x 1 worker, batch 1, 2 batches each -> 6 ranks x 1 worker",
+     _elastic(history=[[8, 1, 1, 2]], episodes=list(range(16)),
+              frames=[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 2, 3, 4, 2, 6, 4],
+              world_size=6, num_workers=1, batch_size=1), None),
+    ("resume", "elastic-batch-size-only", "elastic_resume",
+     "the same rank and workers, batch 4 -> 3: round robin",
+     _elastic(history=[[1, 2, 4, 16]], strategy="round_robin", world_size=1, num_workers=2,
+              batch_size=3), None),
+    ("resume", "elastic-distributed-end", "elastic_resume",
+     "the rest split unevenly over 3 ranks: every rank stops after the same number of batches",
+     _elastic(history=[[1, 1, 2, 14]], world_size=3, num_workers=1, batch_size=2), None),
+    ("resume", "elastic-byte-budget", "elastic_resume",
+     "a byte budget that binds in the old and the new workers' admission",
+     _elastic(history=[[2, 1, 2, 8]], byte_sizes=[30, 10, 40, 20, 50, 10, 30, 20, 40, 10],
+              byte_budget=120, pool_size=3, world_size=1, num_workers=2, batch_size=2), None),
+    ("resume", "elastic-end-of-epoch", "elastic_resume",
+     "the old ranks ended the epoch exactly: the next epoch is the new topology's own",
+     _elastic(history=[[1, 2, 2, 40]], world_size=2, num_workers=1, batch_size=3), None),
+    ("resume", "elastic-repeat-epochs-in-progress", "elastic_resume",
+     "repeat: uneven old workers rolled into different epochs; the rest covers each",
+     _elastic(history=[[1, 3, 2, 44]], repeat=True, episodes=[0, 1, 2, 3, 4],
+              frames=[9, 2, 2, 1, 1], world_size=2, num_workers=1, batch_size=3), None),
+    ("resume", "elastic-chain", "elastic_resume",
+     "three topologies in turn, the middle one resumed from the first's rest; then a fourth",
+     _elastic(history=[[2, 2, 2, 6], [1, 3, 3, 9], [3, 1, 2, 4]], repeat=True,
+              world_size=2, num_workers=2, batch_size=1), None),
+    ("resume", "elastic-no-seed", "elastic_resume",
+     "no seed: the default seed's order (SPEC §1.2)",
+     _elastic(history=[[2, 1, 3, 6]], seed=None, world_size=1, num_workers=1, batch_size=5),
+     None),
+    ("resume", "elastic-too-many-workers", "elastic_resume",
+     "the new topology's ordinary epochs need an episode per worker",
+     _elastic(history=[[1, 1, 4, 8]], world_size=2, num_workers=6, batch_size=4), None),
     ("resume", "state-bad-history", "resume_state", "a history entry that is not whole batches",
      {"saved": {"epoch": 0, "samples": 8, **_SETUP, "history": [[2, 1, 4, 6]]},
       "current": _SETUP},
