@@ -366,8 +366,9 @@ class StreamingDataset(IterableDataset):
             num_workers, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
-        return self._stream(course, logical, worker, limits, positions.epochs[logical],
-                            positions.offsets[logical], positions.stops[logical])
+        # A generator: a persistent worker forwards what its first step raises, not iter's.
+        yield from self._stream(course, logical, worker, limits, positions.epochs[logical],
+                                positions.offsets[logical], positions.stops[logical])
 
     def _stream(self, course: Course, logical: int, worker_id: int,
                 limits: shard.WorkerLimits, epoch: int, offset: int,

@@ -1,9 +1,11 @@
-"""A real two-process ``torch.distributed`` (gloo, CPU) run, two DataLoader workers per rank.
+"""Real two-process ``torch.distributed`` (gloo, CPU) runs, two DataLoader workers per rank.
 
 Each rank learns its rank and world size from the initialised process group (no arguments),
-streams one epoch, and takes part in one ``all_reduce`` per batch as DDP would: if the ranks
-yielded different numbers of batches, the run would hang (the timeout turns that into a failure).
-Every frame must be seen exactly once across ranks.
+streams, and takes part in one ``all_reduce`` per batch as DDP would: if the ranks yielded
+different numbers of batches, the run would hang (the timeout turns that into a failure). One
+epoch streamed whole must show every frame exactly once across ranks; an epoch interrupted by a
+checkpoint and resumed with another world size (2 ranks -> 1 process, 1 process -> 2 ranks) must
+show every frame exactly once across the samples before and after the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
+from refstream.stream import StreamingDataset
 from refstream.tools.demo import write_demo_dataset
 
 WORLD_SIZE = 2
@@ -37,7 +40,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, root: str, cache: str, out: str) -> None:
+def _rank_main(rank: int, port: int, root: str, cache: str, out: str, job: dict) -> None:
+    """One rank: stream ``job["batches"]`` batches (None: the epoch) after loading
+    ``job["resume"]`` (a checkpoint) if given; rank 0 saves a checkpoint after them."""
     import os
 
     os.environ["REFSTREAM_CACHE"] = cache
@@ -46,29 +51,38 @@ def _rank_main(rank: int, port: int, root: str, cache: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
-        dataset = StreamingDataset(root, seed=9, batch_size=BATCH, return_uint8=True)
+        dataset = StreamingDataset(root, batch_size=BATCH, return_uint8=True, **job["options"])
         assert (dataset.rank, dataset.world_size) == (rank, WORLD_SIZE)
-        seen = []
+        if job.get("resume") is not None:
+            dataset.load_state_dict(job["resume"], num_workers=2)
         # Spawned workers: forking a process that runs gloo's threads is not safe.
         loader = DataLoader(dataset, batch_size=BATCH, num_workers=2,
                             multiprocessing_context="spawn")
-        for batch in loader:
-            seen += list(zip(batch["episode_index"].tolist(), batch["frame_index"].tolist(),
-                             strict=True))
-            step = torch.ones(1)
-            dist.all_reduce(step)  # a DDP step: every rank must take part
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"seen": seen}))
+        seen = _consume(loader, job.get("batches"), step=lambda: dist.all_reduce(torch.ones(1)))
+        state = dataset.state_dict(len(seen) * BATCH, batch_size=BATCH, num_workers=2)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"seen": seen, "state": state}))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_two_workers_cover_every_frame_once(tmp_path):
-    root = tmp_path / "dataset"
-    write_demo_dataset(root, episode_lengths=LENGTHS, cameras=("observation.images.front",),
-                       size=(32, 24), episodes_per_video_file=3, episodes_per_data_file=4)
+def _consume(loader, batches: int | None, step=None) -> list[list[list[int]]]:
+    """The (episode, frame) labels of each batch, up to ``batches`` batches."""
+    seen = []
+    for batch in loader:
+        seen.append([list(x) for x in zip(batch["episode_index"].tolist(),
+                                          batch["frame_index"].tolist(), strict=True)])
+        if step is not None:
+            step()  # a DDP step: every rank must take part
+        if len(seen) == batches:
+            break
+    return seen
+
+
+def _two_ranks(tmp_path: Path, root: Path, job: dict) -> list[dict]:
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    out.mkdir()
     context = mp.start_processes(
-        _rank_main, args=(_free_port(), str(root), str(tmp_path / "cache"), str(tmp_path)),
+        _rank_main, args=(_free_port(), str(root), str(tmp_path / "cache"), str(out), job),
         nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -79,9 +93,58 @@ def test_two_ranks_two_workers_cover_every_frame_once(tmp_path):
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"]
-            for r in range(WORLD_SIZE)]
-    episodes = [{e for e, _ in s} for s in seen]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("distributed") / "dataset"
+    write_demo_dataset(root, episode_lengths=LENGTHS, cameras=("observation.images.front",),
+                       size=(32, 24), episodes_per_video_file=3, episodes_per_data_file=4)
+    return root
+
+
+def _frames(batches) -> list[tuple[int, int]]:
+    return sorted(tuple(x) for b in batches for x in b)
+
+
+EVERY_FRAME = [(e, f) for e, n in enumerate(LENGTHS) for f in range(n)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_two_workers_cover_every_frame_once(tmp_path, root):
+    ranks = _two_ranks(tmp_path, root, {"options": {"seed": 9}})
+    episodes = [{e for b in r["seen"] for e, _ in b} for r in ranks]
     assert not episodes[0] & episodes[1]  # whole episodes per rank
-    frames = sorted(tuple(x) for s in seen for x in s)
-    assert frames == [(e, f) for e, n in enumerate(LENGTHS) for f in range(n)]
+    assert _frames(ranks[0]["seen"] + ranks[1]["seen"]) == EVERY_FRAME
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_resumed_in_one_process_deliver_the_rest_once(tmp_path, root, monkeypatch):
+    """2 ranks x 2 workers, batch 4, stop after 3 batches; resume in one process with 3
+    workers and batch 2 (a dataset without a seed takes the checkpoint's)."""
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
+    ranks = _two_ranks(tmp_path, root, {"options": {"seed": 9}, "batches": 3})
+    state = ranks[0]["state"]
+    assert state["world_size"] == 2 and state["samples"] == 3 * BATCH
+    dataset = StreamingDataset(root, batch_size=2, return_uint8=True)
+    dataset.load_state_dict(state, num_workers=3)
+    assert dataset.seed == 9
+    rest = _consume(DataLoader(dataset, batch_size=2, num_workers=3), None)
+    assert _frames(ranks[0]["seen"] + ranks[1]["seen"] + rest) == EVERY_FRAME
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_one_process_resumed_on_two_ranks_delivers_the_rest_once(tmp_path, root, monkeypatch):
+    """1 process x 2 workers, batch 4, pool 1, stop after 6 batches (each worker mid-way
+    through its second episode); resume on 2 ranks x 2 workers. The rest is 40 frames that
+    split 20/20 over the ranks, so the distributed end of the epoch cuts nothing."""
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
+    options = {"seed": 9, "episode_pool_size": 1}
+    dataset = StreamingDataset(root, batch_size=BATCH, return_uint8=True, **options)
+    before = _consume(DataLoader(dataset, batch_size=BATCH, num_workers=2), 6)
+    state = dataset.state_dict(6 * BATCH, batch_size=BATCH, num_workers=2)
+    ranks = _two_ranks(tmp_path, root, {"options": options, "resume": state})
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"])  # the same steps on every rank
+    assert _frames(before + ranks[0]["seen"] + ranks[1]["seen"]) == EVERY_FRAME
+    assert ranks[0]["state"]["history"] == [[1, 2, BATCH, 6 * BATCH]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 
 import av
@@ -401,6 +402,66 @@ def test_a_dataset_without_a_seed_takes_the_checkpoints(resume_root):
     resumed.load_state_dict(state)
     assert resumed.seed == 7
     assert _batches(resumed, 0, None) == full[2:]
+
+
+def _run(dataset, num_workers: int, batch: int, limit: int | None = None):
+    loader = DataLoader(dataset, batch_size=batch, num_workers=num_workers)
+    return _labels(islice(loader, limit))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("strategy", ["pool", "round_robin"])
+def test_resume_with_other_workers_and_batch_size_delivers_the_rest_once(resume_root, strategy):
+    """2 workers, batch 4 -> 3 workers, batch 3 -> (a checkpoint of the rest) 1 worker, batch
+    5: across the three runs every frame of the epoch comes exactly once."""
+    options = {"seed": 7, "sampling_strategy": strategy, "episode_pool_size": 2,
+               "return_uint8": True}
+    first = StreamingDataset(resume_root, batch_size=4, **options)
+    before = _run(first, 2, 4, 3)
+    state = first.state_dict(3 * 4, batch_size=4, num_workers=2)
+    middle = StreamingDataset(resume_root, batch_size=3, **options)
+    middle.load_state_dict(state, num_workers=3)
+    rest = _run(middle, 3, 3)
+    everything = Counter((e, f) for e, n in enumerate(RESUME_LENGTHS) for f in range(n))
+    assert Counter(x for b in before + rest for x in b) == everything
+    during = middle.state_dict(2 * 3, batch_size=3, num_workers=3)
+    assert during["history"] == [[1, 2, 4, 12]] and during["samples"] == 6
+    again = StreamingDataset(resume_root, batch_size=3, **options)  # the same topology
+    again.load_state_dict(during)
+    assert _run(again, 3, 3) == rest[2:]
+    last = StreamingDataset(resume_root, batch_size=5, **options)  # another one
+    last.load_state_dict(during, num_workers=1)
+    final = _run(last, 0, 5)
+    assert Counter(x for b in before + rest[:2] + final for x in b) == everything
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_resume_with_other_workers_follows_the_planned_rest_with_repeat(resume_root):
+    from test_elastic import rank_batches
+
+    from refstream.resume import Course
+
+    options = {"seed": 3, "episode_pool_size": 2, "repeat": True, "return_uint8": True}
+    first = StreamingDataset(resume_root, batch_size=4, **options)
+    _run(first, 2, 4, 9)
+    resumed = StreamingDataset(resume_root, batch_size=2, **options)
+    resumed.load_state_dict(first.state_dict(9 * 4, batch_size=4, num_workers=2), num_workers=3)
+    assert len(resumed._delivered.counts) >= 1  # the rest of an epoch in progress
+    course = Course(resumed._order(), resumed._delivered, 1, 3, 2)
+    planned = rank_batches(course, None, 0, 0, 40)
+    assert _run(resumed, 3, 2, 40) == [[(e, f) for _, e, f in b] for b in planned]
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+def test_an_elastic_checkpoint_loaded_after_persistent_workers_started_is_refused(resume_root):
+    first = StreamingDataset(resume_root, seed=7, batch_size=BATCH)
+    state = first.state_dict(BATCH, batch_size=BATCH, num_workers=1)
+    dataset = StreamingDataset(resume_root, seed=7, batch_size=BATCH, return_uint8=True)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=2, persistent_workers=True)
+    assert len(list(loader)) > 0  # the workers start with no resume
+    dataset.load_state_dict(state, num_workers=2)
+    with pytest.raises(UsageError, match="persistent workers started"):
+        list(loader)
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
