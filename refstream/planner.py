@@ -29,6 +29,7 @@ construction, before anything is fetched. Where a resumed worker starts is
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
@@ -162,8 +163,14 @@ class Planner:
 
     def _skip_draws(self, n: int) -> int:
         """Emit up to ``n`` pool draws without frames, stopping after the next eviction; the
-        count emitted. The arithmetic of :meth:`_choose` and :meth:`_take`, on local lists."""
+        count emitted. The draw of :meth:`_choose` on a list of the pool's frames left, one
+        slot each, grouped by resident in admission order: slot ``t`` is the chosen resident
+        (the walk's answer), and deleting it keeps the groups in order."""
         episodes, lefts = list(self._left), list(self._left.values())
+        if len(episodes) <= 256:
+            slots = bytearray(b"".join(bytes((i,)) * left for i, left in enumerate(lefts)))
+        else:
+            slots = array("I", [i for i, left in enumerate(lefts) for _ in range(left)])
         frames_left, done, drained = self._pool_frames_left, 0, -1
         while done < n and drained < 0:
             draw = self._emitted + done - self._draw_words_start
@@ -172,11 +179,9 @@ class Planner:
                 draw = 0
             words = self._draw_words
             for i in range(draw, min(len(words), draw + n - done)):
-                t = (words[i] * frames_left) >> 64
-                place = 0
-                while t >= lefts[place]:
-                    t -= lefts[place]
-                    place += 1
+                t = (words[i] * frames_left) >> 64  # below(R, draw key, n)
+                place = slots[t]
+                del slots[t]
                 lefts[place] -= 1
                 frames_left -= 1
                 done += 1
