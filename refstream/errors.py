@@ -3,7 +3,7 @@
 All of them derive from :class:`RefstreamError`. The hierarchy says whose fault it is:
 
 * :class:`UsageError` — the caller asked for something impossible (bad arguments, a topology
-  that cannot be served, a checkpoint from another topology).
+  that cannot be served, a checkpoint of another seed or selection).
 * :class:`DatasetError` — the dataset's metadata or tables are wrong or unsupported.
 * :class:`Mp4Error` — a video file is malformed, or valid but outside what refstream supports.
 * :class:`FetchError` — reading bytes from a source failed or returned something inconsistent.
@@ -77,7 +77,8 @@ class ResumeError(UsageError):
 
 
 class TopologyChanged(ResumeError):
-    """A checkpoint was taken with another world size, worker count, batch size or pool."""
+    """A checkpoint was taken with another seed, strategy, pool setting, ``repeat`` or episode
+    selection (another world size, worker count or batch size resumes)."""
 
 
 # --- the dataset ---------------------------------------------------------------------------

@@ -16,12 +16,14 @@ synthesized size before any of its bytes is fetched (SPEC §9.3).
 
 Resume (SPEC §9.4): ``state_dict(samples=steps * B, batch_size=B, num_workers=N)``, ``steps``
 counting the batches consumed since the position was set, is a checkpoint; ``load_state_dict``
-before ``iter(loader)`` continues from it::
+before ``iter(loader)`` continues from it, also with another world size, worker count or batch
+size (SPEC §3.9: it replays the old ranks to find what they delivered, ``resume.delivered_by``,
+and the workers plan the rest, ``resume.Course``)::
 
-    dataset = StreamingDataset(root, repeat=True, seed=seed)
+    dataset = StreamingDataset(root, repeat=True, seed=seed, batch_size=B)
     loader = DataLoader(dataset, batch_size=B, num_workers=N)
     if checkpoint is not None:
-        dataset.load_state_dict(checkpoint["data"])
+        dataset.load_state_dict(checkpoint["data"], num_workers=N)
     for steps, batch in enumerate(loader, start=1):
         ...                                                  # train on the batch
         if steps % save_every == 0:
@@ -123,8 +125,9 @@ class StreamingDataset(IterableDataset):
     ``episode_pool_size`` is per worker (default: 32 per rank split over the workers);
     ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` are per rank, split over the
     workers; ``prefetch_episodes`` frontier episodes are fetched ahead per worker.
-    ``batch_size`` (refstream's addition) is the DataLoader's batch size: needed only for the
-    distributed end of a finite epoch, and checked against checkpoints when given.
+    ``batch_size`` (refstream's addition) is the DataLoader's batch size: needed for the
+    distributed end of a finite epoch and to load a checkpoint, and checked against
+    checkpoints.
     """
 
     def __init__(
