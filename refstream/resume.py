@@ -13,7 +13,7 @@ Use::
     course = Course(order, delivered_by(order, state.epoch, state.history),
                     world_size, num_workers, batch_size)
     start = course.positions(rank, state.samples)
-    planner = course.planner(rank, start.epochs[w], w, byte_sizes)   # then skip(start.offsets[w])
+    planner = course.planner(rank, w, start.epochs[w], byte_sizes)   # then skip(start.offsets[w])
 
 DataLoader worker ``p`` plays logical worker ``w = (p + start.rotation) mod N``: it plans epoch
 ``start.epochs[w]``, skips ``start.offsets[w]`` anchors and stops after ``start.stops[w]``; with
@@ -134,8 +134,8 @@ class ResumeState:
         if not isinstance(state["selection"], str):
             raise ResumeError("resume state field selection must be a string digest")
         setup = ResumeSetup(**{name: state[name] for name in setup_names})
-        history = tuple(_segment(s) for s in _history_list(state.get("history", [])))
-        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup, history=history)
+        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup,
+                   history=_history(state.get("history", [])))
 
     def resume_with(self, current: ResumeSetup) -> ResumeState:
         """The state to resume from with ``current`` (SPEC §3.9): itself under the same
@@ -149,8 +149,8 @@ class ResumeState:
         ]
         if changes:
             raise TopologyChanged(
-                "cannot resume, the checkpoint was taken with another order: " + ", ".join(changes)
-            )
+                f"cannot resume this checkpoint, its setup differs: {', '.join(changes)} (only "
+                "the world size, worker count and batch size may change)")
         if all(getattr(self.setup, name) == getattr(current, name) for name in TOPOLOGY):
             return self
         old = self.setup
@@ -158,24 +158,20 @@ class ResumeState:
         return ResumeState(self.epoch, 0, current, (*self.history, segment))
 
 
-def _history_list(history: object) -> list:
-    if not isinstance(history, list):
-        raise ResumeError("resume state field history must be a list of [world_size, "
-                          "num_workers, batch_size, samples]")
-    return history
-
-
-def _segment(item: object) -> Segment:
-    """One history entry of a checkpoint; ResumeError naming what is wrong with it."""
-    if not isinstance(item, list) or len(item) != 4 or any(
-            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in item):
-        raise ResumeError(f"resume state history entry {item!r} is not four non-negative "
-                          "integers [world_size, num_workers, batch_size, samples]")
-    if min(item[:3]) < 1:
-        raise ResumeError(f"resume state history entry {item!r} needs a positive world size, "
-                          "worker count and batch size")
-    _check_whole_batches(item[3], item[2])
-    return Segment(*item)
+def _history(entries: object) -> tuple[Segment, ...]:
+    """A checkpoint's ``history``; ResumeError naming the entry that breaks SPEC §3.6."""
+    if not isinstance(entries, list):
+        raise ResumeError("resume state field history must be a list")
+    history = []
+    for item in entries:
+        if not (isinstance(item, list) and len(item) == 4
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+                and min(item[:3]) >= 1 and item[3] >= 0):
+            raise ResumeError(f"resume state history entry {item!r} is not [world_size, "
+                              "num_workers, batch_size, samples] with positive sizes")
+        _check_whole_batches(item[3], item[2])
+        history.append(Segment(*item))
+    return tuple(history)
 
 
 def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
@@ -389,7 +385,7 @@ class Course:
             samples=samples, repeat=self.order.repeat, rank_batches=self._ordinary.rank_batches,
             remainders=[(e.lengths[rank], e.rank_batches) for e in self._open])
 
-    def planner(self, rank: int, epoch: int, worker: int,
+    def planner(self, rank: int, worker: int, epoch: int,
                 byte_sizes: Mapping[int, int] | None) -> Planner:
         """The plan of logical worker ``worker`` of ``rank`` in ``epoch``; ``byte_sizes`` of its
         episodes apply the budget (None: no budget)."""
@@ -428,7 +424,7 @@ class Course:
                     at = [self._index[e] for e in self.share(rank, worker, done)]
                     counts[done - first][at] = self._frames[at]
                 if offset:
-                    planner = self.planner(rank, epoch, worker, sizes)
+                    planner = self.planner(rank, worker, epoch, sizes)
                     planner.skip(offset)
                     for episode, n in planner.emitted().items():
                         counts[epoch - first][self._index[episode]] += n

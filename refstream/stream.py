@@ -384,7 +384,7 @@ class StreamingDataset(IterableDataset):
         worker = _WorkerStream(self, sorted(episodes), limits, stats)
         try:
             while True:
-                planner = course.planner(self.rank, epoch, logical, worker.byte_sizes)
+                planner = course.planner(self.rank, logical, epoch, worker.byte_sizes)
                 yield from worker.run(planner, offset, stop)
                 if not self.repeat:
                     return

@@ -36,7 +36,7 @@ def worker_stream(course: Course, sizes, rank: int, worker: int, epoch: int, off
     """The anchors ``(epoch, episode, frame)`` one logical worker yields, as the dataset's
     worker streams them: its plan from ``offset`` to ``stop``, then (repeat) later epochs."""
     while True:
-        planner = course.planner(rank, epoch, worker, sizes)
+        planner = course.planner(rank, worker, epoch, sizes)
         planner.skip(offset)
         taken = planner.remaining if stop is None else stop - offset
         yield from ((epoch, e, f) for e, f in islice(planner, taken))
@@ -151,7 +151,7 @@ def test_the_rest_holds_every_frame_the_old_topologies_did_not_deliver_once(case
         assert len(in_progress) == 1  # one epoch at a time
     for e in in_progress:  # the whole rest, before any distributed stop
         rest = [anchor for r in range(world) for w in range(workers)
-                for anchor in course.planner(r, e, w, sizes)]
+                for anchor in course.planner(r, w, e, sizes)]
         assert Counter(seen.get(e, [])) + Counter(rest) == all_frames(order), e
     if order.repeat:  # the epochs before the first in progress were delivered whole
         for e in range(epoch, delivered.first):
@@ -245,7 +245,7 @@ def test_nothing_delivered_plans_the_ordinary_epoch():
     assert course.positions(1, 0).epochs == (2, 2)
     plain = Planner(course.share(1, 0, 2), [order.frames[e] for e in course.share(1, 0, 2)],
                     seed=5, epoch=2, rank=1, worker=0, pool_size=16)
-    assert list(course.planner(1, 2, 0, None)) == list(plain)
+    assert list(course.planner(1, 0, 2, None)) == list(plain)
 
 
 # --- conformance fixtures -----------------------------------------------------------------------

@@ -228,7 +228,7 @@ def kind_elastic_resume(case: dict) -> dict:
         for worker in range(case["num_workers"]):
             epoch, anchors = start.epochs[worker], []
             for at in range(epoch, last + 1):
-                planner = course.planner(rank, at, worker, by_episode)
+                planner = course.planner(rank, worker, at, by_episode)
                 planner.skip(start.offsets[worker] if at == epoch else 0)
                 stop = start.stops[worker]
                 taken = planner.remaining if stop is None else stop - start.offsets[worker]

@@ -511,7 +511,7 @@ def elastic_figures(frames: list[int], config: BenchConfig,
     delivered = delivered_by(order, 0, [Segment(old, workers, batch, samples)])
     course = Course(order, delivered, new, workers, batch)
     start = course.positions(0, 0)
-    planner = course.planner(0, start.epochs[0], 0, dict(zip(ids, sizes, strict=True)))
+    planner = course.planner(0, 0, start.epochs[0], dict(zip(ids, sizes, strict=True)))
     planner.skip(start.offsets[0])
     next(planner)
     return (old, new), time.perf_counter() - started, samples * old
