@@ -38,7 +38,7 @@ def _plan(**overrides) -> dict:
 
 def _elastic(**overrides) -> dict:
     base = {"episodes": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "frames": [4, 7, 2, 5, 3, 6, 1, 4, 5, 3],
-            "seed": 11, "strategy": "pool", "pool_size": None, "repeat": False, "epoch": 2}
+            "seed": "11", "strategy": "pool", "pool_size": None, "repeat": False, "epoch": 2}
     base.update(overrides)
     return base
 
@@ -307,7 +307,7 @@ CASES = [
       "current": {**_SETUP, "batch_size": 4}},
      {"epoch": 1, "samples": 0, "history": [[4, 1, 4, 40], [2, 4, 8, 16]]}),
     ("resume", "state-seed-changed", "resume_state", "another seed is refused",
-     {"saved": {"epoch": 3, "samples": 64, **_SETUP}, "current": {**_SETUP, "seed": 7}},
+     {"saved": {"epoch": 3, "samples": 64, **_SETUP}, "current": {**_SETUP, "seed": "7"}},
      {"error": "TopologyChanged"}),
     # --- resume with another topology ---
     ("resume", "elastic-2-ranks-to-1", "elastic_resume",

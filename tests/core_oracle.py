@@ -219,7 +219,7 @@ def worker_plans(inp, seen, epoch, world, workers):
 
 
 def _seed(inp):
-    return 42 if inp["seed"] is None else inp["seed"]
+    return 42 if inp["seed"] is None else exact_integer(inp["seed"])
 
 
 def run_topology(inp, first, seen, world, workers, batch, batches):

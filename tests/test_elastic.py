@@ -189,7 +189,7 @@ def test_conformance_answer_matches_the_whole_simulation_oracle(case):
     order, epoch, history, new = case
     world, workers, batch = new
     case_input = {
-        "episodes": list(order.episodes), "frames": list(order.frames), "seed": order.seed,
+        "episodes": list(order.episodes), "frames": list(order.frames), "seed": str(order.seed),
         "strategy": order.strategy, "pool_size": order.pool_size, "repeat": order.repeat,
         "epoch": epoch, "history": [list(vars(s).values()) for s in history],
         "world_size": world, "num_workers": workers, "batch_size": batch,
