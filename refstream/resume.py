@@ -3,8 +3,8 @@
 The order of a rank's stream is a pure function of its setup, so a checkpoint is a few integers:
 a :class:`ResumeState` holds the epoch, the samples the rank consumed since that epoch began (a
 whole number of batches), the :class:`ResumeSetup` that fixed the order and, after a resume with
-another topology, the earlier topologies as :class:`Segment` s. Everything else is recomputed.
-Use::
+another topology, the earlier topologies (each a :class:`Segment`). Everything else is
+recomputed. Use::
 
     setup = ResumeSetup(seed=…, strategy=…, …, selection=selection_digest(episodes, frames))
     saved = ResumeState(epoch, samples, setup).to_dict()          # a plain dict for the checkpoint
