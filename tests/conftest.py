@@ -1,8 +1,17 @@
-"""Shared pytest options: ``--run-slow`` runs the long fuzz and soak budgets (marker ``slow``)."""
+"""Shared pytest options: ``--run-slow`` runs the long fuzz and soak budgets (marker ``slow``).
+
+Hypothesis runs without its timing checks (a per-example deadline, a "data generation is too
+slow" health check): on a loaded machine they fail correct code, and no test here is about speed.
+"""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("refstream", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("refstream")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -17,4 +26,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slow") is not None:  # not item.keywords: ids say "slow" too
             item.add_marker(skip)
-
