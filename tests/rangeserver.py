@@ -32,7 +32,8 @@ Fault modes (names accepted by :meth:`RangeServer.script`, probabilities in :cla
 ``wrong_range``       206 whose ``Content-Range`` and body are shifted by one byte
 ``416``               416 with ``Content-Range: bytes */size``
 ``403``               403, as a CDN answers an expired signed URL
-``slow``              waits ``Faults.slow_s`` before the status line
+``slow``              waits ``Faults.slow_s`` before the status line, or less: until the
+                      client hangs up (it timed out) or the server stops
 ``redirect``          302 to the same path on ``redirect_to``
 ``4xx`` / ``5xx``     any other such status (e.g. ``425``, ``412``) with a short body
 ====================  ==========================================================================
@@ -42,7 +43,9 @@ status faults (4xx, 5xx) apply to every path, the Hub API included; the others t
 answers.
 
 Bounded: daemon threads, at most ``max_requests`` served (later requests get a 503 and
-``overflowed`` is set), waits end at :meth:`stop`.
+``overflowed`` is set), waits end at :meth:`stop`. A handler thread ends once its client closes
+the connection, so joining the threads a test started the server's work with is how a test
+waits until every connection is closed on both sides.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ import hashlib
 import json
 import random
 import re
+import select
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,7 +86,9 @@ class Faults:
     wrong_range: float = 0.0
     slow: float = 0.0
     retry_after: str = "0"
-    slow_s: float = 2.0
+    # Far longer than any read timeout a test sets: a slow answer is never in time, and its
+    # thread ends as soon as the client gives up (so nothing depends on how long it waits).
+    slow_s: float = 60.0
     seed: int = 0
     # At most this many faults in a row (random or of a 5xx burst) for one (path, range), 0 for
     # no limit: a test of survival must not depend on how threads interleave the seeded draws.
@@ -312,8 +319,9 @@ def _make_handler(server: RangeServer):
             common = {"ETag": tag, "Accept-Ranges": "bytes"}
             if mode == "416":
                 return self._reply(416, b"", extra={"Content-Range": f"bytes */{size}"})
-            if mode == "slow":
-                server._stopping.wait(server.faults.slow_s)
+            if mode == "slow" and not self._late_answer_wanted():
+                self.close_connection = True
+                return
             m = _RANGE.fullmatch(range_header or "")
             if m is None or not (m[1] or m[2]) or mode == "ignore_range" or head:
                 return self._reply(200, content, extra=common, head=head, mode=mode)
@@ -329,6 +337,18 @@ def _make_handler(server: RangeServer):
             headers = dict(common, **{"Content-Range": f"bytes {first}-{last}/{size}"})
             status = 200 if mode == "200_content_range" else 206
             self._reply(status, content[first : last + 1], extra=headers, mode=mode)
+
+        def _late_answer_wanted(self) -> bool:
+            """Wait ``Faults.slow_s``; False when the client hung up first or the server stops."""
+            deadline = time.monotonic() + server.faults.slow_s
+            while not server._stopping.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                # readable while waiting for our answer: the client closed the connection
+                if select.select([self.connection], [], [], min(remaining, 0.05))[0]:
+                    return False
+            return False
 
         def _reply(self, status: int, body: bytes, *, extra: dict | None = None,
                    head: bool = False, mode: str = "") -> None:

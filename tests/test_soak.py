@@ -19,23 +19,22 @@ Tolerances, stated honestly:
   epochs is not above the median of epochs 3-7; any per-epoch leak raises it, a helper thread
   that PyArrow or dav1d starts for a moment does not.
 * After the loader is closed, this process's threads and descriptors return to the count before
-  the loader was made (within a bounded wait).
+  the loader was made (once every thread started since has ended: ``tests/leaks.py``).
 
 The CI run is ``EPOCHS`` epochs (~30 s on 2 idle cores); ``--run-slow`` runs ``LONG_EPOCHS``.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from leaks import Baseline
 from torch.utils.data import DataLoader
 
 from refstream.stream import StreamingDataset
@@ -48,7 +47,6 @@ LONG_EPOCHS = 200
 RSS_TOLERANCE_MB = 8.0
 WARM_EPOCHS = slice(2, 7)  # epochs 3-7 (1-based)
 POOL_SLACK = 2  # threads or descriptors a lazily grown pool may add after the warm epochs
-CLOSE_WAIT_S = 10.0
 
 SERVER_SCRIPT = """
 import sys
@@ -135,9 +133,7 @@ def grew(counts: list[int]) -> bool:
 def soak(url: str, server_pid: int, epochs: int) -> None:
     dataset = StreamingDataset(url, seed=0, return_uint8=True, repeat=True)
     per_epoch = sum(LENGTHS)
-    gc.collect()
-    threads_before = set(threading.enumerate())
-    fds_before = fd_count(os.getpid())
+    baseline = Baseline()
     others = set(children(exclude=server_pid))  # e.g. a resource tracker left by earlier tests
     loader = DataLoader(dataset, batch_size=None, num_workers=2)
     iterator = iter(loader)
@@ -175,20 +171,7 @@ def soak(url: str, server_pid: int, epochs: int) -> None:
     for pid in worker_threads:
         assert not grew(worker_threads[pid]), f"worker threads {worker_threads[pid]}"
         assert not grew(worker_fds[pid]), f"worker descriptors {worker_fds[pid]}"
-    assert_back_to(threads_before, fds_before)
-
-
-def assert_back_to(threads_before: set, fds_before: int) -> None:
-    deadline = time.monotonic() + CLOSE_WAIT_S
-    while True:
-        gc.collect()
-        extra = [t.name for t in threading.enumerate() if t not in threads_before]
-        fds = fd_count(os.getpid())
-        if (not extra and fds <= fds_before) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not extra, f"threads left after close: {extra}"
-    assert fds <= fds_before, f"{fds - fds_before} descriptors left after close"
+    baseline.assert_back()
 
 
 def test_soak_two_workers_repeat(served_dataset):
