@@ -10,6 +10,11 @@ nginx must be installed (CI's ``.ci/run`` installs it): when it is missing the t
 message saying so, it is never skipped. Everything nginx writes (config, pid, logs, temp dirs)
 lives in a private temporary directory; the access log records the ``Range`` header of every
 request. ``stop()`` terminates the master process and waits for it.
+
+nginx writes a request's log line just after the answer's last byte has left, so a client can
+read an answer before its line exists. ``access_log()`` therefore first asks for a marker path and
+waits until the marker's line is written: the one worker process handles requests in turn, so
+every answer the caller has already read is in the log by then (markers are left out).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from pathlib import Path
 
 import pytest
 
-_START_TIMEOUT_S = 10.0
-_STOP_TIMEOUT_S = 5.0
+_START_TIMEOUT_S = 30.0  # hang guards: nginx starts in milliseconds
+_STOP_TIMEOUT_S = 10.0
+_START_ATTEMPTS = 5  # another process may take the free port before nginx binds it
+_MARKER = "/.refstream-log-marker/"
 # One field per tab so paths with spaces stay parseable; "-" is nginx's empty value.
 _LOG_FORMAT = "$request_method\\t$uri\\t$status\\t$http_range\\t$body_bytes_sent"
 
@@ -70,6 +77,7 @@ http {{
         listen 127.0.0.1:{port};
         root {folder};
         location / {{ }}
+        location ^~ {_MARKER} {{ return 204; }}
     }}
 }}
 """
@@ -84,36 +92,61 @@ class NginxServer:
             pytest.fail("nginx is not installed: install it (apt-get install nginx-light; "
                         ".ci/run does) — these tests need a real Range server", pytrace=False)
         self.folder = Path(folder).resolve()
-        self._work = Path(tempfile.mkdtemp(prefix="refstream-nginx-"))
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = self._work / "nginx.conf"
-        config.write_text(_config(self.folder, self._work, self.port))
-        self._process = subprocess.Popen(
-            [binary, "-p", str(self._work), "-c", str(config), "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        self._wait_ready()
+        self._markers = 0
+        for _ in range(_START_ATTEMPTS):
+            self._work = Path(tempfile.mkdtemp(prefix="refstream-nginx-"))
+            self.port = _free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            config = self._work / "nginx.conf"
+            config.write_text(_config(self.folder, self._work, self.port))
+            self._process = subprocess.Popen(
+                [binary, "-p", str(self._work), "-c", str(config), "-g", "daemon off;"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+            errors = self._wait_ready()
+            if errors is None:
+                return
+            self._cleanup()
+            if "Address already in use" not in errors:
+                break
+        pytest.fail(f"nginx exited at start: {errors.strip()}", pytrace=False)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self) -> str | None:
+        """None once nginx accepts connections; its error output if it exited instead."""
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                errors = self._process.stderr.read().decode(errors="replace")
-                self._cleanup()
-                pytest.fail(f"nginx exited at start: {errors.strip()}", pytrace=False)
+                return self._process.stderr.read().decode(errors="replace")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return None
             except OSError:
                 time.sleep(0.05)
         self.stop()
         pytest.fail(f"nginx did not listen on port {self.port} within {_START_TIMEOUT_S} s")
 
     def access_log(self) -> list[AccessRecord]:
+        """Every request answered so far (module docstring: complete up to this call)."""
+        self._markers += 1
+        marker = f"{_MARKER}{self._markers}"
+        with socket.create_connection(("127.0.0.1", self.port), timeout=_START_TIMEOUT_S) as sock:
+            sock.sendall(f"GET {marker} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                         .encode())
+            while sock.recv(4096):  # until nginx closes: the answer has left
+                pass
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            records = self._read_log()
+            if any(r.path == marker for r in records):
+                return [r for r in records if not r.path.startswith(_MARKER)]
+            assert time.monotonic() < deadline, f"nginx never logged {marker}"
+            time.sleep(0.01)
+
+    def _read_log(self) -> list[AccessRecord]:
         path = self._work / "access.log"
         records = []
-        for line in path.read_text().splitlines() if path.exists() else []:
+        # nginx writes whole lines; the text after the last newline may be one half written
+        for line in path.read_text().split("\n")[:-1] if path.exists() else []:
             method, uri, status, range_header, sent = line.split("\t")
             records.append(AccessRecord(method, uri, int(status),
                                         None if range_header == "-" else range_header, int(sent)))
