@@ -14,6 +14,40 @@ from refstream.budget import ByteBudget
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError
 from refstream.tools.conformance import first_difference, in_process, load_cases
 
+HANG_GUARD_S = 30.0  # waits that end in microseconds; the bound only turns a hang into a failure
+
+
+class Waiters:
+    """The threads waiting inside ``budget`` right now (white box: the budget's condition
+    variable is swapped for one that reports). A thread is reported while it holds the budget's
+    lock, just before ``wait`` releases it, so a budget call the test makes next runs after the
+    thread is really waiting and its notification reaches it."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self._changed = threading.Condition()
+        self._waiting: set[int] = set()
+        waiters = self
+
+        class Reporting(threading.Condition):
+            def wait(self, timeout=None):
+                waiters._report(threading.get_ident(), True)
+                try:
+                    return super().wait(timeout)
+                finally:
+                    waiters._report(threading.get_ident(), False)
+
+        budget._cond = Reporting(threading.Lock())
+
+    def _report(self, thread: int, waiting: bool) -> None:
+        with self._changed:
+            (self._waiting.add if waiting else self._waiting.discard)(thread)
+            self._changed.notify_all()
+
+    def until(self, count: int) -> None:
+        """Return once ``count`` threads are waiting."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self._waiting) == count, HANG_GUARD_S)
+
 
 def fetched(budget: ByteBudget, episode: int, size: int, *, resident: int | None = None) -> None:
     """Reserve and complete a prefetch of ``episode`` (asserting each step succeeds)."""
@@ -111,23 +145,24 @@ def test_forget_refuses_leased_or_in_flight_episodes():
 
 def test_admission_waits_and_is_woken_by_the_last_release():
     budget = ByteBudget(100)
+    waiters = Waiters(budget)
     fetched(budget, 1, 80)
     assert budget.acquire(1, 80)
     assert budget.acquire(1, 80)  # two decodes in flight
-    done = threading.Event()
+    admitted = []
 
     def admit():
-        assert budget.acquire(2, 50, timeout_s=5)
-        done.set()
+        admitted.append(budget.acquire(2, 50, timeout_s=HANG_GUARD_S))
 
     thread = threading.Thread(target=admit, daemon=True)
     thread.start()
+    waiters.until(1)  # the admission is waiting for room
     budget.release(1)
-    assert not done.wait(0.1)  # one decode still holds episode 1
+    thread.join(0.1)  # may wake and look again: it must go on waiting
+    assert thread.is_alive() and not admitted  # one decode still holds episode 1
     budget.release(1)
-    assert done.wait(5)
-    thread.join(5)
-    assert not thread.is_alive()
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive() and admitted == [True]
     assert budget.take_evicted() == [1]
 
 
@@ -137,12 +172,13 @@ def test_timeout_returns_false_and_changes_nothing():
     started = time.monotonic()
     assert not budget.acquire(2, 1, timeout_s=0.05)
     assert not budget.acquire(2, 1, timeout_s=0)
-    assert time.monotonic() - started < 2
+    assert 0.05 <= time.monotonic() - started < HANG_GUARD_S  # waited the timeout, then gave up
     assert budget.lru_order() == [1]
 
 
 def test_close_wakes_every_waiter_with_budget_closed():
     budget = ByteBudget(10)
+    waiters = Waiters(budget)
     assert budget.acquire(0, 10)
     errors: list[BaseException] = []
 
@@ -155,10 +191,10 @@ def test_close_wakes_every_waiter_with_budget_closed():
     threads = [threading.Thread(target=wait_forever, args=(e,), daemon=True) for e in (1, 2, 3)]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
+    waiters.until(len(threads))  # every one is waiting for room
     budget.close()
     for thread in threads:
-        thread.join(5)
+        thread.join(HANG_GUARD_S)
     assert not any(thread.is_alive() for thread in threads)
     assert len(errors) == 3 and all(isinstance(e, BudgetClosed) for e in errors)
     with pytest.raises(BudgetClosed):
@@ -252,6 +288,8 @@ def test_table_matches_a_brute_force_model(sequence):
 
 # --- stress --------------------------------------------------------------------------------
 
+STRESS_ACQUIRES, STRESS_PREFETCHES = 1000, 200  # about 1 s of work on an idle machine
+
 
 def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
     budget_bytes = 1000
@@ -261,7 +299,7 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
     stop = threading.Event()
     failures: list[str] = []
     progress = {"acquired": 0, "prefetched": 0}
-    progress_lock = threading.Lock()
+    progress_lock = threading.Condition()
 
     def check():
         snap = budget.snapshot()
@@ -279,9 +317,9 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
             while not stop.is_set():
                 episode = r.choice(owned)
                 # no hold-and-wait: a decoder holds at most one lease while it waits
-                # the run lasts 1.5 s and close() wakes every waiter, so only a waiter that
-                # close() failed to wake can reach this timeout
-                if not budget.acquire(episode, sizes[episode], timeout_s=5):
+                # close() wakes every waiter, so only a waiter that close() failed to wake (or
+                # one starved for the whole hang guard) can reach this timeout
+                if not budget.acquire(episode, sizes[episode], timeout_s=HANG_GUARD_S):
                     failures.append(f"acquire of episode {episode} timed out: lost wake-up?")
                     return
                 fetch(episode)
@@ -295,6 +333,7 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
                         pass  # another path still holds it or fetches it: allowed
                 with progress_lock:
                     progress["acquired"] += 1
+                    progress_lock.notify_all()
                 time.sleep(r.random() * 0.001)  # unleased for a while, so waiters get room
         except BudgetClosed:
             pass
@@ -308,6 +347,7 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
                     fetch(episode)
                     with progress_lock:
                         progress["prefetched"] += 1
+                        progress_lock.notify_all()
                 budget.take_evicted()
                 check()
         except BudgetClosed:
@@ -320,17 +360,21 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
                 for i in range(3)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline and not failures:
-        check()
-        time.sleep(0.005)
+    # The run lasts until enough work was done, however slowly a loaded machine does it; this
+    # thread checks the invariants meanwhile, as a third kind of caller.
+    deadline = time.monotonic() + HANG_GUARD_S
+    with progress_lock:
+        while (progress["acquired"] < STRESS_ACQUIRES or progress["prefetched"] < STRESS_PREFETCHES
+               ) and not failures and time.monotonic() < deadline:
+            check()
+            progress_lock.wait(0.005)
     budget.close()  # wakes anyone blocked in acquire
     stop.set()
     for thread in threads:
-        thread.join(5)
+        thread.join(HANG_GUARD_S)
     assert not [t for t in threads if t.is_alive()], "a thread is still alive: deadlock"
     assert failures == []
-    assert progress["acquired"] > 50 and progress["prefetched"] > 10
+    assert progress["acquired"] >= STRESS_ACQUIRES and progress["prefetched"] >= STRESS_PREFETCHES
     assert budget.snapshot().peak_reserved_bytes <= budget_bytes
 
 
