@@ -3,6 +3,7 @@ B-frames, open GOP, AV1), requested by presentation time from the bytes held in 
 frame a full decode of the file yields at that pts; tolerance is enforced, never guessed past;
 the decoder LRU is bounded and serialises each decoder across threads and evictions."""
 
+import itertools
 import json
 import math
 import threading
@@ -212,35 +213,46 @@ def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
 
 # --- the decoder cache ---------------------------------------------------------------------
 
+HANG_GUARD_S = 30.0  # waits for events that take milliseconds; the bound only catches a hang
+
 
 class Recorder:
-    """Wraps EpisodeDecoder.frames_at/close to record overlap per decoder and close times."""
+    """Wraps EpisodeDecoder.frames_at/close to record overlap per decoder and, on one logical
+    clock, when each decoder last finished a decode and when it was closed. With ``hold_first``
+    the first decode announces itself (``first_started``) and waits for ``release_first``."""
 
-    def __init__(self, monkeypatch, slow_s: float = 0.0) -> None:
+    def __init__(self, monkeypatch, slow_s: float = 0.0, hold_first: bool = False) -> None:
         self.lock = threading.Lock()
         self.active: dict[int, int] = {}
         self.max_overlap = 0
-        self.closed: dict[int, float] = {}
-        self.finished: dict[int, float] = {}
+        self.clock = itertools.count()
+        self.closed: dict[int, int] = {}
+        self.finished: dict[int, int] = {}
         self.seen: list[EpisodeDecoder] = []  # kept alive so that ids are never reused
+        self.first_started, self.release_first = threading.Event(), threading.Event()
         original_frames_at, original_close = EpisodeDecoder.frames_at, EpisodeDecoder.close
         recorder = self
 
         def frames_at(decoder, times_s, tolerance_s, dtype=np.uint8):
             with recorder.lock:
+                first = not recorder.seen
                 recorder.seen.append(decoder)
                 recorder.active[id(decoder)] = recorder.active.get(id(decoder), 0) + 1
                 recorder.max_overlap = max(recorder.max_overlap, recorder.active[id(decoder)])
             try:
+                if hold_first and first:
+                    recorder.first_started.set()
+                    assert recorder.release_first.wait(HANG_GUARD_S)
                 time.sleep(slow_s)
                 return original_frames_at(decoder, times_s, tolerance_s, dtype)
             finally:
                 with recorder.lock:
                     recorder.active[id(decoder)] -= 1
-                    recorder.finished[id(decoder)] = time.monotonic()
+                    recorder.finished[id(decoder)] = next(recorder.clock)
 
         def close(decoder):
-            recorder.closed[id(decoder)] = time.monotonic()
+            with recorder.lock:
+                recorder.closed[id(decoder)] = next(recorder.clock)
             original_close(decoder)
 
         monkeypatch.setattr(decode.EpisodeDecoder, "frames_at", frames_at)
@@ -307,15 +319,29 @@ def test_threads_sharing_one_decoder_are_serialised_and_correct(videos, monkeypa
 
 def test_an_evicted_decoder_in_use_is_closed_only_after_its_decode(videos, monkeypatch):
     data, _ = videos["av1"]
-    recorder = Recorder(monkeypatch, slow_s=0.3)
+    recorder = Recorder(monkeypatch, hold_first=True)
+    retiring = threading.Event()
+    retire = decode._Entry.retire  # white box: the eviction's close of a cache entry
+
+    def reporting_retire(entry):
+        retiring.set()
+        retire(entry)
+
+    monkeypatch.setattr(decode._Entry, "retire", reporting_retire)
     cache = DecoderCache(capacity=1)
-    slow = threading.Thread(target=cache.frames_at, args=((0, "a"), data, [0.0], 1e-4))
-    slow.start()
-    time.sleep(0.1)  # the slow decode on (0, "a") is under way
-    cache.frames_at((1, "a"), data, [0.0], 1e-4)  # evicts (0, "a") while it is in use
-    slow.join()
-    first = min(recorder.closed, key=recorder.closed.get)  # the evicted decoder
-    assert recorder.closed[first] >= recorder.finished[first]
+    held = threading.Thread(target=cache.frames_at, args=((0, "a"), data, [0.0], 1e-4))
+    held.start()
+    assert recorder.first_started.wait(HANG_GUARD_S)  # the decode on (0, "a") is under way
+    evictor = threading.Thread(target=cache.frames_at, args=((1, "a"), data, [0.0], 1e-4))
+    evictor.start()  # evicts (0, "a") while it is in use
+    assert retiring.wait(HANG_GUARD_S)
+    evictor.join(0.1)  # room for a close that does not wait for the decode to happen
+    assert recorder.closed == {}  # no decoder closed while its decode runs
+    recorder.release_first.set()
+    held.join(HANG_GUARD_S)
+    evictor.join(HANG_GUARD_S)
+    first = id(recorder.seen[0])  # the evicted decoder
+    assert recorder.closed[first] > recorder.finished[first]
     assert recorder.max_overlap == 1
     assert len(cache) == 1
     cache.close()
