@@ -3,7 +3,7 @@ numpy, and row-group pruning checked against the byte ranges the footer gives ea
 
 from __future__ import annotations
 
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,15 +232,26 @@ def test_threads_sharing_footers_read_each_footer_once(tmp_path):
     path = tmp_path / "data.parquet"
     write_file(path, LENGTHS)
 
+    arrived = threading.Condition()
+    callers = []
+
+    class CountedFooters(Footers):
+        def open(self, source, relpath):
+            with arrived:
+                callers.append(relpath)
+                arrived.notify_all()
+            return super().open(source, relpath)
+
     class SlowTails(RecordingSource):
         tails = 0
 
         def read_tail(self, relpath, length):
             SlowTails.tails += 1
-            time.sleep(0.05)  # every thread arrives while the first is still reading
+            with arrived:  # the first reader holds on until every thread has asked for the footer
+                assert arrived.wait_for(lambda: len(callers) == len(LENGTHS), timeout=30)
             return super().read_tail(relpath, length)
 
-    source, footers = SlowTails(tmp_path), Footers()
+    source, footers = SlowTails(tmp_path), CountedFooters()
     with ThreadPoolExecutor(len(LENGTHS)) as pool:
         tables = list(pool.map(lambda e: read_episode_rows(source, "data.parquet", e, LENGTHS[e],
                                                            COLUMNS, footers), LENGTHS))
