@@ -3,7 +3,9 @@ command-line builder so other processes can build (or hold the lock) concurrentl
 
 Run as ``python tests/sidecar_helpers.py build CACHE ROOT LOG DELAY_S`` to build the index of the
 dataset in ROOT with an indexer that appends one line per indexed file to LOG and sleeps DELAY_S
-first; ``python tests/sidecar_helpers.py hold LOCK`` takes the lock file and sleeps until killed.
+first (``stdin`` for DELAY_S: it waits for a line on stdin, or its end, instead, so a test decides
+when indexing goes on); ``python tests/sidecar_helpers.py hold LOCK`` takes the lock file and
+sleeps until killed.
 """
 
 from __future__ import annotations
@@ -38,17 +40,20 @@ def make_dataset(root: Path) -> list[str]:
     return sorted(DATASET_FILES)
 
 
-def pyav_indexer(log_path: Path | None = None, delay_s: float = 0.0):
+def pyav_indexer(log_path: Path | None = None, delay_s: float = 0.0, wait=None):
     """An indexer with ``parse_index``'s signature answering from PyAV's demuxer (the oracle).
 
     It reads the whole file through ``read_range``, so the source and byte counting are used;
-    with ``log_path`` it appends one line per file indexed, and it sleeps ``delay_s`` first.
+    with ``log_path`` it appends one line per file indexed, and then it calls ``wait`` (if given)
+    and sleeps ``delay_s``.
     """
 
     def indexer(read_range, file_size: int, path: str):
         if log_path is not None:
             with open(log_path, "a") as handle:
                 handle.write(f"{os.getpid()} {path}\n")
+        if wait is not None:
+            wait()
         time.sleep(delay_s)
         return index_from_pyav(read_range(0, file_size), path)
 
@@ -59,9 +64,11 @@ def main(argv: list[str]) -> None:
     if argv[0] == "build":
         cache, root, log, delay = argv[1:5]
         relpaths = sorted(DATASET_FILES)
+        indexer = (pyav_indexer(Path(log), wait=sys.stdin.readline) if delay == "stdin"
+                   else pyav_indexer(Path(log), float(delay)))
         location = ensure_index(
             LocalSource(root), relpaths, DatasetIdentity(root), cache_root=cache,
-            workers=1, indexer=pyav_indexer(Path(log), float(delay)),
+            workers=1, indexer=indexer,
         )
         print(location.origin, location.compact_path, flush=True)
     elif argv[0] == "hold":

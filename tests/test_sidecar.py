@@ -237,23 +237,37 @@ def test_dtypes_cover_negative_large_and_constant_values(root, cache):
 
 def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HELPER), *args], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def wait_for(predicate, timeout_s: float = 20.0) -> None:
+def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    """Until ``predicate()`` (a state another process reaches); the deadline is a hang guard."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.02)
 
 
+def has_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open."""
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.path.realpath(fd) == os.path.realpath(path) for fd in fds.iterdir())
+
+
 def test_two_concurrent_builders_build_once(root, cache, tmp_path):
     log = tmp_path / "indexed.log"
-    builders = [spawn("build", str(cache), str(root), str(log), "0.2") for _ in range(2)]
-    outputs = [b.communicate(timeout=60) for b in builders]
+    # Each builder's indexer waits for stdin: whichever takes the lock keeps it until the test
+    # has seen the other one waiting at the lock, so the two really build at the same time.
+    builders = [spawn("build", str(cache), str(root), str(log), "stdin") for _ in range(2)]
+    wait_for(lambda: log.exists() and log.read_text())  # one builder holds the lock, indexing
+    holder = next(b for b in builders if b.pid == int(log.read_text().split()[0]))
+    waiting = next(b for b in builders if b is not holder)
+    lock = sidecar.cache_directory(DatasetIdentity(str(root)), cache) / ".lock"
+    wait_for(lambda: has_open(waiting.pid, lock))  # the other one polls the held lock
+    # the holder's stdin closes first (its indexing goes on), then the waiting one's
+    outputs = [b.communicate(timeout=120) for b in (holder, waiting)]
     assert [b.returncode for b in builders] == [0, 0], outputs
-    origins = sorted(out.split()[0] for out, _ in outputs)
-    assert origins == ["built", "cache"]
+    assert [out.split()[0] for out, _ in outputs] == ["built", "cache"]
     assert len({out.split()[1] for out, _ in outputs}) == 1
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == RELPATHS
     assert_matches_oracle(map_index(outputs[0][0].split()[1]), root)
@@ -264,7 +278,7 @@ def test_a_killed_builder_leaves_the_old_index_and_no_temp_files(root, cache, tm
     old_npz, old_compact = location.npz_path.read_bytes(), location.compact_path.read_bytes()
     bump_mtime(root / RELPATHS[1])  # stale: the next open rebuilds
     log = tmp_path / "indexed.log"
-    builder = spawn("build", str(cache), str(root), str(log), "60")
+    builder = spawn("build", str(cache), str(root), str(log), "stdin")  # indexes on a line
     wait_for(lambda: log.exists() and log.read_text())  # indexing has started
     assert temp_files(cache)  # the build's temp file exists ...
     builder.send_signal(signal.SIGKILL)
@@ -288,7 +302,7 @@ def test_a_held_lock_times_out_naming_the_lock(root, cache, monkeypatch):
         started = time.monotonic()
         with pytest.raises(SidecarLockTimeout, match=re.escape(str(directory / ".lock"))) as caught:
             ensure(root, cache, lock_timeout_s=0.3)
-        assert 0.3 <= time.monotonic() - started < 5
+        assert 0.3 <= time.monotonic() - started < 30  # the timeout, not the default 1800 s
         assert "0.3" in str(caught.value) and "waited" in str(caught.value)
         monkeypatch.setenv(sidecar.LOCK_TIMEOUT_ENV, "0.1")
         with pytest.raises(SidecarLockTimeout, match="timeout 0.1 s"):
