@@ -263,14 +263,20 @@ def test_transforms_run_on_the_yielding_thread_in_order(dataset_root):
         assert float(item["observation.images.wrist"].flatten()[0]) == 2 * k + 2
 
 
+def started_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Threads alive now that were not in ``before`` (a count would also see a thread an earlier
+    test left, such as a loopback server's, end meanwhile)."""
+    return [t for t in threading.enumerate() if t not in before]
+
+
 def test_early_exit_closes_threads(dataset_root):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     dataset = StreamingDataset(dataset_root, seed=4, decode_threads=3)
     iterator = iter(dataset)
     next(iterator)
-    assert threading.active_count() > before
+    assert started_since(before)
     iterator.close()
-    assert threading.active_count() == before
+    assert started_since(before) == []
 
 
 def test_error_in_fetch_thread_reaches_consumer(dataset_root, tmp_path):
@@ -283,14 +289,14 @@ def test_error_in_fetch_thread_reaches_consumer(dataset_root, tmp_path):
     data = sorted((broken / "data").rglob("*.parquet"))[0]
     data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # cut in half
     dataset = StreamingDataset(broken, seed=0, decode_threads=2)
-    before = threading.active_count()
+    before = set(threading.enumerate())
     # Iterated in this process: a DataLoader worker forwards the same exception, but torch then
     # keeps its iterator in a reference cycle until garbage collection, which stalls 5 s a worker.
     with pytest.raises(TableError, match="Parquet") as info:
         list(dataset)
     assert "file-000.parquet" in str(info.value)
     assert info.value.__cause__ is not None  # pyarrow's own error, chained
-    assert threading.active_count() == before  # every thread of the stream was shut down
+    assert started_since(before) == []  # every thread of the stream was shut down
 
 
 def test_timestamps_outside_the_planned_span_are_refused(dataset_root, tmp_path):
