@@ -11,7 +11,6 @@ show every frame exactly once across the samples before and after the checkpoint
 from __future__ import annotations
 
 import json
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,13 +33,7 @@ LENGTHS = (8, 8, 8, 8, 8, 8, 8, 8)
 RUN_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, root: str, cache: str, out: str, job: dict) -> None:
+def _rank_main(rank: int, store: str, root: str, cache: str, out: str, job: dict) -> None:
     """One rank: stream ``job["batches"]`` batches (None: the epoch) after loading
     ``job["resume"]`` (a checkpoint) if given; rank 0 saves a checkpoint after them."""
     import os
@@ -48,7 +41,9 @@ def _rank_main(rank: int, port: int, root: str, cache: str, out: str, job: dict)
     os.environ["REFSTREAM_CACHE"] = cache
     from refstream.stream import StreamingDataset
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file rendezvous: a free TCP port picked in advance may be taken by another process
+    # before rank 0 listens on it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
         dataset = StreamingDataset(root, batch_size=BATCH, return_uint8=True, **job["options"])
@@ -82,7 +77,8 @@ def _two_ranks(tmp_path: Path, root: Path, job: dict) -> list[dict]:
     out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     out.mkdir()
     context = mp.start_processes(
-        _rank_main, args=(_free_port(), str(root), str(tmp_path / "cache"), str(out), job),
+        _rank_main, args=(str(out / "rendezvous"), str(root), str(tmp_path / "cache"), str(out),
+                          job),
         nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:

@@ -231,7 +231,8 @@ def test_droid_sized_selection_plans_its_first_anchor_fast():
     lengths = rng.integers(60, 520, size=95_658)
     lengths = np.maximum(1, lengths * 27_600_000 // lengths.sum()).tolist()
     ids = list(range(len(lengths)))
-    started = time.perf_counter()
+    # CPU seconds of this thread: the planner's own work, not how busy the machine is
+    started = time.thread_time()
     share = rank_share(ids, lengths, 7, 8)
     part = worker_shares(share, [lengths[e] for e in share], 4)[3]
     limits = split_limits(4, pool_size=None, byte_budget=8 << 30, decoder_cache=None, cameras=3)
@@ -239,7 +240,7 @@ def test_droid_sized_selection_plans_its_first_anchor_fast():
                       pool_size=limits.pool_size, byte_sizes=[lengths[e] * 30_000 for e in part],
                       byte_budget=limits.byte_budget)
     next(planner)
-    assert time.perf_counter() - started < 10.0
+    assert time.thread_time() - started < 10.0
 
 
 def _cases():
