@@ -55,9 +55,17 @@ def broken_answer(case):
 def test_the_protocol_command_gives_the_same_answers():
     # One case per kind through a real subprocess: proves the stdin/stdout protocol end to end.
     one_per_kind = {case.kind: case for case in CASES}.values()
-    ask = conformance.via_command(f"{sys.executable} -m refstream.tools.conformance")
+    command = conformance.via_command(f"{sys.executable} -m refstream.tools.conformance")
+    replies = {}
+
+    def ask(case):
+        replies[case.path] = command(case)
+        return replies[case.path]
+
     for outcome in conformance.run(list(one_per_kind), ask):
-        assert outcome.difference is None, (outcome.case.path, outcome.difference)
+        # a failed process answers {"error": ...}: show it, not only the first missing field
+        assert outcome.difference is None, (outcome.case.path, outcome.difference,
+                                            replies[outcome.case.path].get("error"))
 
 
 def test_a_broken_command_fails_with_the_first_difference():
