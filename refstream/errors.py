@@ -17,9 +17,15 @@ file, episode, field, box or byte range involved.
 
 Classes that correspond to a builtin category also derive from it (``ValueError``,
 ``TimeoutError``, ``OSError``) so generic handlers keep working.
+
+An error raised inside a DataLoader worker reaches the training process as the same class (the
+DataLoader re-raises it there); its message is then the worker's message, and the worker's
+traceback is kept apart in ``worker_traceback``.
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "RefstreamError",
@@ -53,8 +59,25 @@ __all__ = [
 ]
 
 
+# How torch's DataLoader re-raises a worker's exception in the main process: one message holding
+# the worker's whole traceback, whose last line is "module.Class: message".
+_FROM_WORKER = re.compile(
+    r"Caught \w+ in DataLoader worker process (\d+)\.\nOriginal (Traceback.*)", re.DOTALL)
+
+
 class RefstreamError(Exception):
     """Base class of every error refstream raises on purpose."""
+
+    worker_traceback: str | None = None  # the worker's traceback, when raised in a worker
+
+    def __init__(self, *args: object) -> None:
+        text = args[0] if len(args) == 1 and isinstance(args[0], str) else ""
+        found = _FROM_WORKER.fullmatch(text)
+        if found:
+            self.worker_traceback = found[2]
+            message = found[2].rstrip().splitlines()[-1].partition(": ")[2]
+            args = (f"{message} (in DataLoader worker {found[1]})",)
+        super().__init__(*args)
 
 
 # --- the caller asked for something impossible ------------------------------------------------

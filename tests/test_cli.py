@@ -113,3 +113,18 @@ def test_an_unknown_conformance_kind_is_a_usage_error(capsys):
     assert main(["conformance", "--kind", "no-such-kind"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"refstream conformance: UsageError: no case of kind 'no-such-kind' in {FIXTURES_DIR}")
+
+
+def test_an_error_from_a_worker_reaches_python_as_one_line(dataset):
+    from torch.utils.data import DataLoader
+
+    from refstream.errors import EpisodeTooLarge
+    from refstream.stream import StreamingDataset
+
+    loader = DataLoader(StreamingDataset(dataset, byte_budget_gb=1e-7), num_workers=1)
+    with pytest.raises(EpisodeTooLarge) as raised:
+        next(iter(loader))
+    message = str(raised.value)
+    assert "\n" not in message and message.endswith("(in DataLoader worker 0)")
+    assert message.startswith("episode ")
+    assert "Traceback" in raised.value.worker_traceback

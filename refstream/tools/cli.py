@@ -72,15 +72,8 @@ def _command(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def one_line(exc: BaseException) -> str:
-    """``Class: message`` of a refstream error in one line. Raised in a DataLoader worker, the
-    error reaches the main process with the worker's traceback in its message; the last line of
-    that traceback is the original error."""
+    """``Class: message`` of a refstream error, on one line."""
     text = str(exc).strip()
-    if "Original Traceback" in text:
-        text = text.splitlines()[-1]
-        name, _, message = text.partition(": ")
-        if name.rpartition(".")[2] == type(exc).__name__:
-            text = message
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
@@ -105,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     except RefstreamError as exc:
         if args.verbose:
             traceback.print_exc()
+            if exc.worker_traceback:
+                print(f"in the DataLoader worker:\n{exc.worker_traceback}", file=sys.stderr)
         print(f"refstream {args.command}: {one_line(exc)}", file=sys.stderr)
         return 2
 
