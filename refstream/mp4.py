@@ -79,7 +79,9 @@ class Box:
 
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
-    """Per-sample index of the first video track of one MP4, in decode order."""
+    """Per-sample index of the first video track of one MP4, in decode order. Parsed, the arrays
+    are ``int64`` (``keyframe`` bool); mapped from the video index (``refstream.sidecar``) they
+    are read-only views in a narrower stored dtype: widen before arithmetic that could wrap."""
 
     path: str  # for messages only
     file_size: int  # bytes

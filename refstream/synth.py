@@ -139,7 +139,7 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
         raise FrameNotFound(f"{index.path}: no keyframe at or before sample {first_needed}"
                             f" presents at or before pts {earliest_pts}")
     hi = last_needed
-    if np.any(np.diff(index.pts) <= 0):  # reordered: finish the GOP
+    if np.any(index.pts[1:] <= index.pts[:-1]):  # reordered: finish the GOP
         later = np.flatnonzero(index.keyframe[last_needed + 1 :])
         hi = last_needed + int(later[0]) if len(later) else len(index) - 1
     return span_of(index, int(candidates[-1]), hi)
@@ -148,8 +148,8 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
 def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     """The span of decode-order samples ``sample_lo..sample_hi``: their one byte range."""
     sl = slice(sample_lo, sample_hi + 1)
-    begin = int(index.offset[sl].min())
-    end = int((index.offset[sl] + index.size[sl]).max())
+    offset = index.offset[sl].astype(np.int64)
+    begin, end = int(offset.min()), int((offset + index.size[sl]).max())
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
@@ -209,20 +209,21 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
         raise UsageError(f"{index.path}: span samples [{lo}, {hi}] are not a range of"
                          f" 0..{len(index) - 1} starting at a keyframe")
     sl = slice(lo, hi + 1)
-    relative = index.offset[sl] - span.byte_offset
-    if relative.min() < 0 or (relative + index.size[sl]).max() > span.byte_length:
+    # The index's arrays may be narrow views (refstream.sidecar): widen the span's slice.
+    dts, pts, durations, sizes = (getattr(index, name)[sl].astype(np.int64)
+                                  for name in ("dts", "pts", "duration", "size"))
+    relative = index.offset[sl].astype(np.int64) - span.byte_offset
+    if relative.min() < 0 or (relative + sizes).max() > span.byte_length:
         raise UsageError(f"{index.path}: samples [{lo}, {hi}] are not inside bytes"
                          f" [{span.byte_offset}, {span.byte_offset + span.byte_length})")
     if span.start_pts != index.pts[lo]:
         raise UsageError(f"{index.path}: span start_pts {span.start_pts} is not the pts"
                          f" {index.pts[lo]} of sample {lo}")
-    dts, pts = index.dts[sl], index.pts[sl]
     composition = pts - dts
     offsets = composition + max(0, -int(composition.min()))
     presentation = dts - dts[0] + offsets
     media_time = int(presentation[0])
     shown = presentation >= media_time
-    durations = index.duration[sl]
     edit_end = int((presentation + np.maximum(durations, 1))[shown].max())
 
     keyframes = np.flatnonzero(index.keyframe[sl])
@@ -231,7 +232,7 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
     clean = gop_min >= presentation[keyframes]
     clean[0] = True
     sync = keyframes[clean] + 1
-    return _Layout(durations, offsets, index.size[sl], relative, sync, media_time,
+    return _Layout(durations, offsets, sizes, relative, sync, media_time,
                    edit_end - media_time)
 
 
