@@ -13,8 +13,8 @@ workers map it) or ``published`` (records taken from a published index into a ca
 corpus — the MP4s of ``spec/fixtures/mp4``, or the index built from them — is written to a
 temporary directory that libFuzzer mutates from. The checks are tests/test_fuzz.py's: an input
 must parse into a coherent index or raise a ``RefstreamError``; any other exception or failed
-assertion is a crash, and libFuzzer saves the input. Time and memory per input are bounded by libFuzzer's ``-timeout``
-and ``-rss_limit_mb`` (defaults below unless given on the command line).
+assertion is a crash, and libFuzzer saves the input. Time and memory per input are bounded by
+libFuzzer's ``-timeout`` and ``-rss_limit_mb`` (defaults below unless given on the command line).
 """
 
 from __future__ import annotations
