@@ -29,6 +29,7 @@ returned fewer bytes than asked). No I/O of its own; only the standard library a
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +103,17 @@ class SampleIndex:
 
     def __len__(self) -> int:
         return len(self.size)
+
+    @functools.cached_property
+    def composition_range(self) -> tuple[int, int]:
+        """(min, max) of ``pts − dts`` over the file, in ticks ((0, 0) when empty)."""
+        offsets = self.pts.astype(np.int64) - self.dts.astype(np.int64)
+        return (int(offsets.min()), int(offsets.max())) if len(offsets) else (0, 0)
+
+    @functools.cached_property
+    def reordered(self) -> bool:
+        """Whether presentation order differs from decode order (B-frames)."""
+        return bool(np.any(self.pts[1:] <= self.pts[:-1]))
 
 
 @dataclass(frozen=True)

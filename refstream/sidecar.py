@@ -184,6 +184,8 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
             data = array.view(np.uint8)
             if hashlib.sha256(data[32:]).digest() != data[:32].tobytes():
                 raise ValueError("the record does not match its digest")
+            if np.any(arrays["dts"][1:] < arrays["dts"][:-1]):
+                raise ValueError("dts decreases")  # spans are found by searching dts
     except FileNotFoundError:
         raise
     except UNREADABLE as exc:
