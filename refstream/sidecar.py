@@ -374,6 +374,9 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
                 taken += 1
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
+    log.info("%s held records for %d of the %d files without one (records of other contents "
+             "or of another source's identities are not used)", PUBLISHED_RELPATH, taken,
+             len(wanted))
     return taken
 
 
