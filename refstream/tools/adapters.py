@@ -414,7 +414,7 @@ def kind_sidecar_record(case: dict) -> dict:
         with tempfile.TemporaryDirectory() as folder:
             with open(Path(folder) / "video.mp4", "wb") as handle:
                 handle.truncate(fields["file_size"])
-            mtime_ns = case["local_mtime_ns"]
+            mtime_ns = int(case["local_mtime_ns"])  # a 64-bit field: a decimal string
             os.utime(Path(folder) / "video.mp4", ns=(mtime_ns, mtime_ns))
             identity = LocalSource(folder).identity("video.mp4")
     index = SampleIndex(
