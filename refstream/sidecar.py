@@ -83,9 +83,10 @@ NARROW_DTYPES = tuple(np.dtype(t) for t in ("|u1", "|i1", "<u2", "<i2", "<u4", "
 FLAG_DTYPE = np.dtype("|b1")
 # Files of one process: .tmp.<pid>.<hex>.<final name> and .volatile.<pid>.<hex>.<k>.npy.
 OWNED = re.compile(r"^\.(?:tmp|volatile)\.(\d+)\.")
-# What numpy and zipfile raise on bytes that are not what they should be.
+# What numpy and zipfile raise on bytes that are not what they should be (RuntimeError: an
+# encrypted ZIP member, or JSON nested too deep).
 UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError,
-              SyntaxError, RecursionError, tokenize.TokenError, zipfile.BadZipFile,
+              SyntaxError, RuntimeError, tokenize.TokenError, zipfile.BadZipFile,
               NotImplementedError, struct.error, zlib.error)
 
 Indexer = Callable[[Callable[[int, int], bytes], int, str], SampleIndex]
