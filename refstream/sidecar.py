@@ -24,6 +24,7 @@ longer than :data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -81,6 +82,8 @@ SCALAR_FIELDS = ("codec", "width", "height", "track_id", "timescale", "movie_tim
 # Storage dtypes of integer arrays, narrowest first (SPEC §10.2); flags are stored as |b1.
 NARROW_DTYPES = tuple(np.dtype(t) for t in ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
 FLAG_DTYPE = np.dtype("|b1")
+# Records are NPY 1.0: numpy reads a header whole, and 1.0's is at most 64 KiB.
+NPY_1_0 = b"\x93NUMPY\x01\x00"
 # Files of one process: .tmp.<pid>.<hex>.<final name> and .volatile.<pid>.<hex>.<k>.npy.
 OWNED = re.compile(r"^\.(?:tmp|volatile)\.(\d+)\.")
 # What numpy and zipfile raise on bytes that are not what they should be (RuntimeError: an
@@ -177,6 +180,12 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
     ``SidecarInvalid`` unless the record is valid (``verify``: verified, SPEC §10.3)."""
     mapped = isinstance(file, str | Path)
     try:
+        with open(file, "rb") if mapped else contextlib.nullcontext(file) as handle:
+            start = handle.tell()
+            head = handle.read(len(NPY_1_0))
+            handle.seek(start)
+        if head != NPY_1_0:
+            raise ValueError("not an NPY 1.0 file")
         array = np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
         meta, arrays = _parse_record(array, size, identity)
         if mapped and os.path.getsize(file) != array.offset + array.dtype.itemsize:

@@ -639,6 +639,22 @@ def test_a_corrupt_record_is_rebuilt_alone(root, cache, corruption):
     assert_matches_oracle(again, root)
 
 
+def test_a_record_claiming_a_huge_header_is_refused_without_reading_it(tmp_path):
+    import struct
+    import tracemalloc
+
+    path = tmp_path / record_name(1, "x")
+    path.write_bytes(b"\x93NUMPY\x02\x00" + struct.pack("<I", 2**31) + b"{}")  # NPY 2.0
+    tracemalloc.start()
+    try:
+        with pytest.raises(SidecarInvalid, match="NPY 1.0"):
+            read_record(path, 1, "x")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
 def test_changed_array_bytes_fail_the_digest(root, cache):
     index = ensure(root, cache)
     path = record_of(index, RELPATHS[0])
