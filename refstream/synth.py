@@ -96,7 +96,7 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 # --- spans -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """One (episode, camera) byte span: decode-order samples and the bytes that hold them."""
 

@@ -367,19 +367,20 @@ def run_index(args) -> int:
     source = open_source(args.root)
     index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
                                  workers=args.workers)
-    mapped = sidecar.MappedIndex(index)
-    paths = {record.path for record in index.records.values()}
+    records = {record.path: record for record in index.records.values()}
     summary = {
         "root": args.root,
         "origin": index.origin,
         "files": len(index.records),
         "indexed": index.indexed,
-        "samples": sum(len(mapped[relpath]) for relpath in index.records),
+        # one record mapped at a time: mapping them all would hold their pages
+        "samples": sum(len(sidecar.read_record(path, record.size, record.identity))
+                       for path, record in records.items()),
         "video_bytes": sum(record.size for record in index.records.values()),
         "bytes_read_to_index": index.bytes_read,
         "seconds": round(index.seconds, 3),
         "index_folder": str(sidecar.cache_folder()),
-        "index_bytes": sum(Path(path).stat().st_size for path in paths),
+        "index_bytes": sum(Path(path).stat().st_size for path in records),
     }
     if args.output:
         summary["output"] = str(sidecar.export_index(index, args.output))
