@@ -196,7 +196,7 @@ class SidecarLockTimeout(SidecarError, TimeoutError):
 
 
 class SidecarInvalid(SidecarError, ValueError):
-    """A sidecar file is corrupt, of another schema, or does not match the dataset's files."""
+    """An index record is corrupt, of another schema or of another file's content."""
 
 
 # --- decoding ------------------------------------------------------------------------------

@@ -349,9 +349,9 @@ class HTTPSource(BaseSource):
         for session in sessions:
             session.close()
 
-    def get_url(self, url: str) -> bytes:
-        """GET an absolute URL (a Hub API call) with the same retries and token rule."""
-        return self._get(url, url, None, None, None)
+    def get_url(self, url: str, judge: Judge | None = None) -> bytes:
+        """GET an absolute URL (a Hub API call), retried; ``judge`` may see every answer."""
+        return self._get(url, url, None, None, judge)
 
     # --- one logical request: attempts until one is not a Retry -----------------------------
 

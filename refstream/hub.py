@@ -6,6 +6,7 @@ Usage::
     source = open_hf_source("hf://datasets/lerobot/pusht@v1.0")  # an HTTPSource on one commit
     hf = parse_hf_root(root)            # the one hf:// parser; hf.base_url(endpoint, commit)
     pinned_root(root, source.identity(relpath))   # the root @ the commit the source reads
+    source.content_identities(relpaths)  # relpath -> (size, LFS sha256) from the tree listing
 
 A branch or tag is pinned once, at open, to its commit, so every file a run reads comes from that
 commit: in the main process, and through :func:`pinned_root` in DataLoader workers. Buckets have
@@ -20,15 +21,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urljoin
 
-from refstream.errors import FetchError, UsageError
-from refstream.http import HTTPSource
+from refstream.errors import FetchError, MalformedDataset, UsageError
+from refstream.http import HTTPSource, plan_whole_response
 from refstream.meta import check_relpath
 
 __all__ = [
     "HfRoot",
+    "HubSource",
     "parse_hf_root",
     "pinned_root",
     "open_hf_source",
@@ -40,6 +43,7 @@ HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_NEXT_PAGE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')  # in a Link header
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,63 @@ def open_hf_source(
         if not _COMMIT.fullmatch(commit):
             raise FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
     options["label"] = pinned_root(root, f"commit:{commit}")
-    return HTTPSource(hf.base_url(endpoint, commit), pinned_identity=f"commit:{commit}",
-                      **options)
+    return HubSource(hf, endpoint, commit, **options)
+
+
+class HubSource(HTTPSource):
+    """An :class:`HTTPSource` on one commit of a Hub dataset: every file's identity is the
+    commit; its content identity comes from the commit's tree listing (SPEC §10.1)."""
+
+    def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
+        super().__init__(hf.base_url(endpoint, commit), pinned_identity=f"commit:{commit}",
+                         **options)
+        self._tree_url = f"{endpoint}/api/datasets/{hf.owner}/{hf.name}/tree/{commit}"
+        self._prefix = f"{hf.prefix}/" if hf.prefix else ""
+
+    def expect_identity(self, relpath: str, identity: str) -> None:
+        """Nothing to check: every read names the commit, and a commit's files never change."""
+
+    def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]:
+        """``relpath -> (size, "sha256:<LFS oid>")`` (``"git-sha1:<oid>"`` for a file outside
+        LFS) from the listing of each top folder of ``relpaths``, one request per page."""
+        wanted, found = set(relpaths), {}
+        for folder in sorted({relpath.rpartition("/")[0].split("/")[0] for relpath in wanted}):
+            path = quote((self._prefix + folder).rstrip("/"), safe="/")
+            url = f"{self._tree_url}{'/' if path else ''}{path}?recursive=true"
+            while url:
+                body, next_url = self._page(url)
+                found.update(self._listed(url, body))
+                url = next_url
+        missing = sorted(wanted - set(found))
+        if missing:
+            raise MalformedDataset(f"{missing[0]}: missing from dataset root {self.label}")
+        return {relpath: found[relpath] for relpath in sorted(wanted)}
+
+    def _page(self, url: str) -> tuple[bytes, str | None]:
+        """One page of a listing, and the URL of the next one its ``Link`` header names."""
+        links = []
+
+        def judge(status: int, headers, known: int | None):
+            links.append(headers.get("Link", ""))
+            return plan_whole_response(status, headers, url)
+
+        body = self.get_url(url, judge)
+        after = _NEXT_PAGE.search(links[-1])
+        return body, urljoin(url, after[1]) if after else None
+
+    def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
+        """The files of one page of a tree listing, by relpath."""
+        try:
+            files = {}
+            for entry in json.loads(body):
+                if entry["type"] == "file" and entry["path"].startswith(self._prefix):
+                    lfs = entry.get("lfs")
+                    identity = f"sha256:{lfs['oid']}" if lfs else f"git-sha1:{entry['oid']}"
+                    files[entry["path"].removeprefix(self._prefix)] = (int(entry["size"]),
+                                                                       identity)
+            return files
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FetchError(f"{url}: not a tree listing ({type(exc).__name__}: {exc})") from exc
 
 
 def check_not_a_repo_id(root: str) -> None:

@@ -29,6 +29,7 @@ returned fewer bytes than asked). No I/O of its own; only the standard library a
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,9 @@ class Box:
 
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
-    """Per-sample index of the first video track of one MP4, in decode order."""
+    """Per-sample index of the first video track of one MP4, in decode order. Parsed, the arrays
+    are ``int64`` (``keyframe`` bool); mapped from the video index (``refstream.sidecar``) they
+    are read-only views in a narrower stored dtype: widen before arithmetic that could wrap."""
 
     path: str  # for messages only
     file_size: int  # bytes
@@ -100,6 +103,17 @@ class SampleIndex:
 
     def __len__(self) -> int:
         return len(self.size)
+
+    @functools.cached_property
+    def composition_range(self) -> tuple[int, int]:
+        """(min, max) of ``pts − dts`` over the file, in ticks ((0, 0) when empty)."""
+        offsets = self.pts.astype(np.int64) - self.dts.astype(np.int64)
+        return (int(offsets.min()), int(offsets.max())) if len(offsets) else (0, 0)
+
+    @functools.cached_property
+    def reordered(self) -> bool:
+        """Whether presentation order differs from decode order (B-frames)."""
+        return bool(np.any(self.pts[1:] <= self.pts[:-1]))
 
 
 @dataclass(frozen=True)

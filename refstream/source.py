@@ -7,6 +7,7 @@ Usage::
     source.read_range(relpath, offset, length)   # exactly `length` bytes, or an error
     source.read_tail(relpath, length)            # (the last min(length, size) bytes, size)
     source.size(relpath), source.identity(relpath)
+    source.content_identities(relpaths)          # relpath -> (size, content identity), SPEC §10.1
     source.expect_identity(relpath, identity)    # a later read of another version: PayloadChanged
     source.stats()                               # the counters below
     pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
@@ -27,7 +28,8 @@ import contextlib
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
@@ -38,6 +40,8 @@ from refstream.meta import check_relpath
 
 __all__ = ["Source", "LocalSource", "RangeFile", "open_source"]
 
+IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each over HTTP
+
 
 class Source(meta.Source, Protocol):
     """What every byte source offers (the calls of the module docstring)."""
@@ -46,6 +50,7 @@ class Source(meta.Source, Protocol):
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]: ...
     def size(self, relpath: str) -> int: ...
     def identity(self, relpath: str) -> str: ...
+    def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]: ...
     def expect_identity(self, relpath: str, identity: str) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -90,6 +95,16 @@ class BaseSource:
     def expect_identity(self, relpath: str, identity: str) -> None:
         with self._lock:
             self._expected[check_relpath(relpath)] = identity
+
+    def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]:
+        """``relpath -> (size, identity)`` of each distinct file, asked ``IDENTITY_THREADS`` at a
+        time (over HTTP one ``HEAD`` each; the Hub lists them instead)."""
+        def ask(relpath: str) -> tuple[str, tuple[int, str]]:
+            identity = self.identity(relpath)  # first: HTTP learns the size from the same HEAD
+            return relpath, (self.size(relpath), identity)
+
+        with ThreadPoolExecutor(IDENTITY_THREADS, thread_name_prefix="refstream-stat") as pool:
+            return dict(pool.map(ask, sorted(set(relpaths))))
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -77,7 +77,7 @@ from refstream.resume import (
     selection_digest,
 )
 from refstream.rng import MASK64, resolve_seed
-from refstream.sidecar import dataset_identity, ensure_index, map_index, video_relpaths
+from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.tables import Footers, read_episode_rows
@@ -127,7 +127,8 @@ class StreamingDataset(IterableDataset):
     workers; ``prefetch_episodes`` frontier episodes are fetched ahead per worker.
     ``batch_size`` (refstream's addition) is the DataLoader's batch size: needed for the
     distributed end of a finite epoch and to load a checkpoint, and checked against
-    checkpoints.
+    checkpoints. ``sidecar_lock_timeout_s`` is how long to wait for another process building the
+    video index (default ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else 1800 s).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class StreamingDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         batch_size: int | None = None,
+        sidecar_lock_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         _check_settings(sampling_strategy, prefetch_episodes, byte_budget_gb,
@@ -170,6 +172,7 @@ class StreamingDataset(IterableDataset):
         self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
+        self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
 
         source = open_source(self.root)
@@ -181,7 +184,10 @@ class StreamingDataset(IterableDataset):
                                         feature_keys=self.meta.features)
             self.rank_episodes = shard.rank_share(self.episodes, self.frames, self.rank,
                                                   self.world_size)
-            self.index_path = self._ensure_index(source) if self.meta.camera_keys else None
+            self.video_index: VideoIndex | None = None
+            if self.meta.camera_keys:
+                self.video_index = ensure_index(source, video_relpaths(self.meta),
+                                                lock_timeout_s=self.sidecar_lock_timeout_s)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         finally:
@@ -392,13 +398,6 @@ class StreamingDataset(IterableDataset):
         finally:
             worker.close()
 
-    # --- sidecar ------------------------------------------------------------------------------
-
-    def _ensure_index(self, source) -> str:
-        relpaths = video_relpaths(self.meta)
-        return str(ensure_index(source, relpaths,
-                                dataset_identity(self.root, source, relpaths)).compact_path)
-
 
 class _WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
@@ -437,11 +436,11 @@ class _WorkerStream:
     def _plan_spans(self, share: list[int]) -> None:
         """Each (episode, camera) span of the share at the nominal times, and each episode's
         exact byte size (SPEC §9.2)."""
-        self.index = index = map_index(self.ds.index_path)
+        self.index = index = MappedIndex(self.ds.video_index)
         # A payload read later must come from the file as it was indexed (else PayloadChanged).
-        for entry in index.manifest["files"]:
-            if entry["fingerprint"]:
-                self.source.expect_identity(entry["relpath"], entry["fingerprint"])
+        for relpath, record in self.ds.video_index.records.items():
+            if record.identity:
+                self.source.expect_identity(relpath, record.identity)
         self.byte_sizes = {}
         for episode in share:
             spans = synth.episode_spans(self.meta, episode, index, self.ds.tolerance_s)

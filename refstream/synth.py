@@ -18,6 +18,7 @@ time: span selection, the decoder's choice of frame (SPEC §10.8) and the doctor
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 UINT32_MAX = 0xFFFFFFFF
+SCAN_SAMPLES = 256  # keyframes are looked for this many samples at a time (a GOP or more)
 # ftyp for a source without one: major 'isom', minor version 0x200, brands isom iso2 mp41.
 DEFAULT_FTYP = struct.pack(">I4s4sI4s4s4s", 28, b"ftyp", b"isom", 0x200, b"isom", b"iso2", b"mp41")
 IDENTITY_MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
@@ -94,7 +96,7 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 # --- spans -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """One (episode, camera) byte span: decode-order samples and the bytes that hold them."""
 
@@ -111,45 +113,80 @@ class Span:
 
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
-    """The minimal span whose frames serve every time the episode can request (SPEC §7.1)."""
+    """The minimal span whose frames serve every time the episode can request (SPEC §7.1).
+    Only the samples that can present near those times are read and widened."""
     if not (to_s >= from_s and tolerance_s >= 0):
         raise UsageError(f"{index.path}: bad span request from_s={from_s} to_s={to_s}"
                          f" tolerance_s={tolerance_s}")
-    if request_times_s is None:
-        pts_s = index.pts / index.timescale
+    times_s = None if request_times_s is None else np.asarray(request_times_s, np.float64)
+    window = _window(index, [from_s, to_s] if times_s is None else times_s, tolerance_s)
+    pts = index.pts[window].astype(np.int64)
+    if times_s is None:
+        pts_s = pts / index.timescale
         needed = (pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s)
     else:
-        times_s = np.asarray(request_times_s, np.float64)
-        matches = serving_samples(index.pts, index.timescale, times_s, tolerance_s)
+        matches = serving_samples(pts, index.timescale, times_s, tolerance_s)
         unserved = matches.unserved(len(times_s))
         if len(unserved):
             raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of requested"
                                 f" time {float(times_s[unserved[0]])} s")
-        needed = np.isin(np.arange(len(index)), matches.sample)
+        needed = np.isin(np.arange(len(pts)), matches.sample)
     if not needed.any():
         raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
                             f" [{from_s}, {to_s}) s")
-    first_needed = int(np.argmax(needed))
-    last_needed = len(needed) - 1 - int(np.argmax(needed[::-1]))
-    earliest_pts = int(index.pts[needed].min())
+    first_needed = window.start + int(np.argmax(needed))
+    last_needed = window.start + len(needed) - 1 - int(np.argmax(needed[::-1]))
+    start = _keyframe_before(index, first_needed, int(pts[needed].min()))
+    if index.reordered:  # finish the GOP
+        return span_of(index, start, _keyframe_from(index, last_needed + 1) - 1)
+    return span_of(index, start, last_needed)
 
-    candidates = np.flatnonzero(index.keyframe[: first_needed + 1]
-                                & (index.pts[: first_needed + 1] <= earliest_pts))
-    if not len(candidates):
-        raise FrameNotFound(f"{index.path}: no keyframe at or before sample {first_needed}"
-                            f" presents at or before pts {earliest_pts}")
-    hi = last_needed
-    if np.any(np.diff(index.pts) <= 0):  # reordered: finish the GOP
-        later = np.flatnonzero(index.keyframe[last_needed + 1 :])
-        hi = last_needed + int(later[0]) if len(later) else len(index) - 1
-    return span_of(index, int(candidates[-1]), hi)
+
+def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
+    """The decode-order samples whose pts can lie within the tolerance (and two ticks) of
+    ``times_s``: dts rises, and pts − dts stays within the file's composition range."""
+    finite = np.asarray(times_s, np.float64)
+    finite = finite[np.isfinite(finite)]
+    if not len(finite):
+        return slice(0, 0)
+    bounds = []
+    for seconds, rounding, margin in ((finite.min() - tolerance_s, math.floor, -2),
+                                      (finite.max() + tolerance_s, math.ceil, 2)):
+        ticks = seconds * index.timescale
+        ticks = rounding(ticks) + margin if math.isfinite(ticks) else ticks
+        bounds.append(int(min(max(ticks, -(2**62)), 2**62)))
+    low, high = index.composition_range
+    return slice(int(np.searchsorted(index.dts, bounds[0] - high, "left")),
+                 int(np.searchsorted(index.dts, bounds[1] - low, "right")))
+
+
+def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
+    """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
+    end = sample + 1
+    while end > 0:
+        begin = max(0, end - SCAN_SAMPLES)
+        found = np.flatnonzero(index.keyframe[begin:end] & (index.pts[begin:end] <= pts))
+        if len(found):
+            return begin + int(found[-1])
+        end = begin
+    raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
+                        f" or before pts {pts}")
+
+
+def _keyframe_from(index: SampleIndex, sample: int) -> int:
+    """The first keyframe at or after ``sample``; the sample count when there is none."""
+    for begin in range(sample, len(index), SCAN_SAMPLES):
+        found = np.flatnonzero(index.keyframe[begin : begin + SCAN_SAMPLES])
+        if len(found):
+            return begin + int(found[0])
+    return len(index)
 
 
 def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     """The span of decode-order samples ``sample_lo..sample_hi``: their one byte range."""
     sl = slice(sample_lo, sample_hi + 1)
-    begin = int(index.offset[sl].min())
-    end = int((index.offset[sl] + index.size[sl]).max())
+    offset = index.offset[sl].astype(np.int64)
+    begin, end = int(offset.min()), int((offset + index.size[sl]).max())
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
@@ -209,20 +246,21 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
         raise UsageError(f"{index.path}: span samples [{lo}, {hi}] are not a range of"
                          f" 0..{len(index) - 1} starting at a keyframe")
     sl = slice(lo, hi + 1)
-    relative = index.offset[sl] - span.byte_offset
-    if relative.min() < 0 or (relative + index.size[sl]).max() > span.byte_length:
+    # The index's arrays may be narrow views (refstream.sidecar): widen the span's slice.
+    dts, pts, durations, sizes = (getattr(index, name)[sl].astype(np.int64)
+                                  for name in ("dts", "pts", "duration", "size"))
+    relative = index.offset[sl].astype(np.int64) - span.byte_offset
+    if relative.min() < 0 or (relative + sizes).max() > span.byte_length:
         raise UsageError(f"{index.path}: samples [{lo}, {hi}] are not inside bytes"
                          f" [{span.byte_offset}, {span.byte_offset + span.byte_length})")
     if span.start_pts != index.pts[lo]:
         raise UsageError(f"{index.path}: span start_pts {span.start_pts} is not the pts"
                          f" {index.pts[lo]} of sample {lo}")
-    dts, pts = index.dts[sl], index.pts[sl]
     composition = pts - dts
     offsets = composition + max(0, -int(composition.min()))
     presentation = dts - dts[0] + offsets
     media_time = int(presentation[0])
     shown = presentation >= media_time
-    durations = index.duration[sl]
     edit_end = int((presentation + np.maximum(durations, 1))[shown].max())
 
     keyframes = np.flatnonzero(index.keyframe[sl])
@@ -231,7 +269,7 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
     clean = gop_min >= presentation[keyframes]
     clean[0] = True
     sync = keyframes[clean] + 1
-    return _Layout(durations, offsets, index.size[sl], relative, sync, media_time,
+    return _Layout(durations, offsets, sizes, relative, sync, media_time,
                    edit_end - media_time)
 
 

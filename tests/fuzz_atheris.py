@@ -4,17 +4,17 @@ Not a pytest module (its name does not start with ``test_``); run it by hand::
 
     pip install atheris
     python tests/fuzz_atheris.py mp4 -atheris_runs=2000000
-    python tests/fuzz_atheris.py compact -max_total_time=600
-    python tests/fuzz_atheris.py npz
+    python tests/fuzz_atheris.py record -max_total_time=600
+    python tests/fuzz_atheris.py published
 
 The target is ``mp4`` (``refstream.mp4.parse_index`` through a ``read_range`` that fails on a read
-outside the file), ``compact`` (``refstream.sidecar.map_index`` as workers call it, then every
-file's ``SampleIndex``) or ``npz`` (``refstream.sidecar.read_npz``). The seed corpus — the MP4s of
-``spec/fixtures/mp4``, or a sidecar built from them — is written to a temporary directory that
-libFuzzer mutates from. The checks are tests/test_fuzz.py's: an input must parse into a coherent
-index or raise a ``RefstreamError``; any other exception or failed assertion is a crash, and
-libFuzzer saves the input. Time and memory per input are bounded by libFuzzer's ``-timeout``
-and ``-rss_limit_mb`` (defaults below unless given on the command line).
+outside the file), ``record`` (``refstream.sidecar.read_record`` of one file's index record, as
+workers map it) or ``published`` (records taken from a published index into a cache). The seed
+corpus — the MP4s of ``spec/fixtures/mp4``, or the index built from them — is written to a
+temporary directory that libFuzzer mutates from. The checks are tests/test_fuzz.py's: an input
+must parse into a coherent index or raise a ``RefstreamError``; any other exception or failed
+assertion is a crash, and libFuzzer saves the input. Time and memory per input are bounded by
+libFuzzer's ``-timeout`` and ``-rss_limit_mb`` (defaults below unless given on the command line).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # refstream, without installing
 
-TARGETS = ("mp4", "compact", "npz")
+TARGETS = ("mp4", "record", "published")
 DEFAULT_FLAGS = ("-timeout=2", "-rss_limit_mb=1024")
 
 
@@ -36,11 +36,12 @@ def write_corpus(test_fuzz, target: str, directory: Path, workdir: Path):
             (directory / f"{name}.mp4").write_bytes(seed.data)
         return lambda data: test_fuzz.check_mp4("atheris", data)
     seed = test_fuzz.build_sidecar_seed(workdir / "dataset", workdir)
-    if target == "compact":
-        (directory / "index.compact").write_bytes(seed.compact)
-        return lambda data: test_fuzz.check_compact(seed, "atheris", data, verify=False)
-    (directory / "index.npz").write_bytes(seed.npz)
-    return lambda data: test_fuzz.check_npz(seed, "atheris", data, crc_checked=False)
+    if target == "record":
+        relpath = sorted(seed.data)[0]
+        (directory / "record.npy").write_bytes(seed.data[relpath])
+        return lambda data: test_fuzz.check_record(seed, "atheris", data, relpath, verify=False)
+    (directory / "published.npz").write_bytes(seed.published)
+    return lambda data: test_fuzz.check_published(seed, "atheris", data)
 
 
 def main(argv: list[str]) -> None:

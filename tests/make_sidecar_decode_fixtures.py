@@ -1,21 +1,26 @@
 """Write the conformance cases of kinds ``frame_select`` (spec/fixtures/decode/) and
-``sidecar_storage`` (spec/fixtures/sidecar/) with expected values from brute-force oracles that
-share no code with refstream: binary64 distances (plain Python floats) to every frame, and a scan
-of the integer ranges of the storage types. ``python tests/make_sidecar_decode_fixtures.py``
-rewrites them; the tests recompute every expectation with the same oracles and compare."""
+``sidecar_record`` (spec/fixtures/sidecar/) with expected values from oracles that share no code
+with refstream: binary64 distances (plain Python floats) to every frame; and a record built by
+hand from SPEC §10 — a scan of the storage types' integer ranges, the arrays packed with
+``struct``, their SHA-256, the meta object and the record's name from ``hashlib``.
+``python tests/make_sidecar_decode_fixtures.py`` rewrites them; the tests recompute every
+expectation with the same oracles and compare."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import struct
 from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures"
 
-# (dtype string, bits, signed) in the order the spec lists the storage types, spelled as the
-# compact file's header spells them (byte order "<" little-endian, "|" not applicable).
-STORAGE_TYPES = [("|u1", 8, False), ("|i1", 8, True), ("<u2", 16, False), ("<i2", 16, True),
-                 ("<u4", 32, False), ("<i4", 32, True), ("<i8", 64, True)]
+# (dtype, bits, signed, struct code) in the order the spec lists the storage types.
+STORAGE_TYPES = [("|u1", 8, False, "B"), ("|i1", 8, True, "b"), ("<u2", 16, False, "H"),
+                 ("<i2", 16, True, "h"), ("<u4", 32, False, "I"), ("<i4", 32, True, "i"),
+                 ("<i8", 64, True, "q")]
+FIELDS = ("dts", "pts", "duration", "size", "offset", "keyframe")
 
 
 def oracle_frame_select(case: dict) -> dict:
@@ -35,21 +40,45 @@ def oracle_frame_select(case: dict) -> dict:
     return {"pts": chosen}
 
 
-def oracle_sidecar_storage(case: dict) -> dict:
-    values = case["values"]
-    flags = case.get("flags", False) or (values and all(isinstance(v, bool) for v in values))
+def storage(values: list, flags: bool) -> tuple[str | None, object]:
+    """(dtype, None) for a stored array, (None, value) for a constant one (SPEC §10.2)."""
     if not values:
-        return {"value": False if flags else 0}
+        return None, False if flags else 0
     if all(v == values[0] for v in values):
-        return {"value": values[0]}
+        return None, values[0]
     if flags:
-        return {"dtype": "|b1"}
-    low, high = min(values), max(values)
-    for name, bits, signed in STORAGE_TYPES:
+        return "|b1", None
+    for name, bits, signed, _ in STORAGE_TYPES:
         lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
-        if lo <= low and high <= hi:
-            return {"dtype": name}
+        if lo <= min(values) and max(values) <= hi:
+            return name, None
     raise ValueError("values outside int64")
+
+
+def oracle_sidecar_record(case: dict) -> dict:
+    index = case["index"]
+    identity = case.get("identity")
+    if identity is None:
+        identity = f"local:size={index['file_size']};mtime_ns={case['local_mtime_ns']}"
+    count = len(index["dts"])
+    codes = {name: code for name, _, _, code in STORAGE_TYPES} | {"|b1": "?"}
+    fields, constants, data = [], {}, b""
+    for name in FIELDS:
+        dtype, value = storage(index[name], name == "keyframe")
+        if dtype is None:
+            constants[name] = value
+        else:
+            fields.append([name, dtype, [count]])
+            data += struct.pack(f"<{count}{codes[dtype]}", *index[name])
+    meta = {"schema": "refstream-index", "schema_version": 2, "identity": identity,
+            "size": index["file_size"], "samples": count, "constants": constants,
+            **{name: index[name] for name in ("ftyp", "stsd", "codec", "width", "height",
+                                              "track_id", "timescale", "movie_timescale")}}
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    name = hashlib.sha256(f"{index['file_size']} {identity}".encode()).hexdigest() + ".npy"
+    head = [["sha256", "|u1", [32]], ["meta", "|u1", [len(text)]]]
+    return {"identity": identity, "name": name, "fields": [*head, *fields], "meta": meta,
+            "arrays_sha256": hashlib.sha256(data).hexdigest()}
 
 
 def frame_select_cases() -> dict[str, tuple[str, dict]]:
@@ -107,32 +136,72 @@ def frame_select_cases() -> dict[str, tuple[str, dict]]:
     }
 
 
-def sidecar_storage_cases() -> dict[str, tuple[str, dict]]:
+def record_input(count: int, **arrays) -> dict:
+    """A record case's index: ``count`` samples of a small H.264 file, ``arrays`` replaced."""
+    index = {"file_size": 90_000, "ftyp": "0000001c667479706973366f6d", "stsd": "00000001abcd",
+             "codec": "avc1", "width": 64, "height": 48, "track_id": 1, "timescale": 15360,
+             "movie_timescale": 1000, "dts": [512 * k for k in range(count)],
+             "pts": [512 * k for k in range(count)], "duration": [512] * count,
+             "size": [100 + k for k in range(count)],
+             "offset": [48 + sum(100 + j for j in range(k)) for k in range(count)],
+             "keyframe": [k % 10 == 0 for k in range(count)]}
+    return index | arrays
+
+
+SHA = "sha256:" + "7c" * 32
+
+
+def sidecar_record_cases() -> dict[str, tuple[str, dict]]:
+    gop = {"dts": [-1024, -512, 0, 512, 1024, 1536], "pts": [0, 1536, 512, 1024, 3072, 2048],
+           "size": [3000, 200, 150, 140, 2100, 160], "keyframe": [True, False, False, False,
+                                                                 True, False]}
+    gop["offset"] = [48 + sum(gop["size"][:k]) for k in range(6)]
     return {
-        "empty": ("an empty array is a constant 0", {"values": []}),
-        "empty-flags": ("an empty flag array is a constant false", {"values": [], "flags": True}),
-        "constant": ("a constant array is stored once", {"values": [512, 512, 512]}),
-        "constant-negative": ("negative constants too", {"values": [-1024, -1024]}),
-        "u1-bounds": ("0..255 fits u1", {"values": [0, 255, 17]}),
-        "u2-just-past-u1": ("256 needs u2", {"values": [0, 256]}),
-        "i1-bounds": ("-128..127 fits i1", {"values": [-128, 127]}),
-        "i2-just-past-i1": ("-129 needs i2", {"values": [-129, 0]}),
-        "u2-before-i2": ("0..40000 is u2 (unsigned types are tried first)", {"values": [0, 40000]}),
-        "i2-negative": ("-32768..32767 fits i2", {"values": [-32768, 32767]}),
-        "u4": ("65536 needs u4", {"values": [3, 65536]}),
-        "i4": ("-40000..1 needs i4", {"values": [-40000, 1]}),
-        "u4-top": ("2^32-1 still fits u4", {"values": [0, 4294967295]}),
-        "i8-offsets": ("file offsets past 4 GiB need i8", {"values": [8, 4294967296]}),
-        "i8-negative-wide": ("-1 and 2^31 need i8", {"values": [-1, 2147483648]}),
-        "flags": ("mixed keyframe flags are stored as bytes", {"values": [True, False, False]}),
-        "flags-constant": ("all keyframes: a constant true", {"values": [True, True]}),
+        "b-frames": ("a reordered GOP: narrow dts/pts/size/offset, constant duration", {
+            "identity": SHA, "index": record_input(6, **gop)}),
+        "av1-g2": ("pts = dts, keyframes every other sample", {
+            "identity": SHA, "index": record_input(8, codec="av01", keyframe=[
+                k % 2 == 0 for k in range(8)])}),
+        "empty": ("no samples: every array is a constant, 0 or false", {
+            "identity": SHA, "index": record_input(0)}),
+        "one-sample": ("one sample: every array is a constant", {
+            "identity": SHA, "index": record_input(1)}),
+        "local-identity": ("a local file: size and mtime in nanoseconds", {
+            "local_mtime_ns": "1700000000123456789", "index": record_input(4)}),
+        "etag-identity": ("an HTTP strong ETag, quotes included", {
+            "identity": 'etag:"5f2b-61a3c0de"', "index": record_input(4)}),
+        "git-blob-identity": ("a Hub file outside LFS: its git blob id", {
+            "identity": "git-sha1:9e26dfeeb6e641a33dae4961196235bdb965b21b",
+            "index": record_input(4)}),
+        "u1-and-i1-bounds": ("0..255 fits u1, -128..127 fits i1", {
+            "identity": SHA, "index": record_input(3, dts=[0, 255, 17], pts=[-128, 127, 0])}),
+        "just-past-u1-and-i1": ("256 needs u2, -129 needs i2", {
+            "identity": SHA, "index": record_input(3, dts=[0, 256, 1], pts=[-129, 0, 1])}),
+        "u2-before-i2": ("0..40000 is u2 (unsigned first); -32768..32767 fits i2", {
+            "identity": SHA, "index": record_input(3, size=[0, 40000, 2],
+                                                   pts=[-32768, 32767, 0])}),
+        "u4-and-i4": ("65536 needs u4, -40000..1 needs i4", {
+            "identity": SHA, "index": record_input(3, size=[3, 65536, 4],
+                                                   pts=[-40000, 1, 0])}),
+        "u4-top": ("2^32-1 still fits u4", {
+            "identity": SHA, "index": record_input(3, offset=[0, 4294967295, 1])}),
+        "i8-offsets": ("file offsets past 4 GiB need i8", {
+            "identity": SHA, "index": record_input(3, offset=[8, 4294967296, 9])}),
+        "i8-negative-wide": ("-1 and 2^31 need i8", {
+            "identity": SHA, "index": record_input(3, dts=[-1, 2147483648, 0])}),
+        "negative-constant": ("a negative constant is stored once", {
+            "identity": SHA, "index": record_input(3, duration=[-1024] * 3)}),
+        "all-keyframes": ("all keyframes: a constant true", {
+            "identity": SHA, "index": record_input(3, keyframe=[True] * 3)}),
+        "mixed-keyframes": ("mixed keyframe flags are stored as bytes", {
+            "identity": SHA, "index": record_input(3, keyframe=[True, False, False])}),
     }
 
 
 def write() -> None:
     for area, kind, cases, oracle in (
         ("decode", "frame_select", frame_select_cases(), oracle_frame_select),
-        ("sidecar", "sidecar_storage", sidecar_storage_cases(), oracle_sidecar_storage),
+        ("sidecar", "sidecar_record", sidecar_record_cases(), oracle_sidecar_record),
     ):
         folder = FIXTURES / area
         folder.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ Usage (a context manager, or the ``nginx_server`` pytest fixture factory)::
     with NginxServer(folder) as server:
         server.url                  # http://127.0.0.1:PORT
         server.access_log()         # list of AccessRecord(method, path, status, range, bytes)
+        server.mark()               # the log's length, every request answered so far in it
 
 nginx must be installed (CI's ``.ci/run`` installs it): when it is missing the test fails with a
 message saying so, it is never skipped. Everything nginx writes (config, pid, logs, temp dirs)
@@ -151,6 +152,21 @@ class NginxServer:
             records.append(AccessRecord(method, uri, int(status),
                                         None if range_header == "-" else range_header, int(sent)))
         return records
+
+    def mark(self) -> int:
+        """The access log's length once every request answered so far is in it: nginx writes a
+        request's line after its answer left, so a marker request is sent and waited for."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            sock.sendall(b"HEAD /refstream-test-mark HTTP/1.0\r\n\r\n")
+            while sock.recv(4096):
+                pass
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            log = self.access_log()
+            if any(r.path == "/refstream-test-mark" for r in log):
+                return len(log)
+            time.sleep(0.01)
+        pytest.fail("nginx did not log the marker request")
 
     def stop(self) -> None:
         if self._process.poll() is None:

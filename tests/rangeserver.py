@@ -12,7 +12,10 @@ It serves the files under ``folder`` at ``/<relpath>`` with ``GET`` / ``HEAD``, 
 bytes=a-b`` or ``bytes=-n`` (one range), a strong ``ETag`` (hash of the content) and
 ``Content-Length``. As a
 fake Hugging Face Hub (``hub=HubConfig(...)``) it also answers
-``/api/datasets/OWNER/NAME/revision/REV`` with ``{"sha": ...}`` and serves
+``/api/datasets/OWNER/NAME/revision/REV`` with ``{"sha": ...}``, lists
+``/api/datasets/OWNER/NAME/tree/REV[/PATH]?recursive=true`` as the Hub does (``HubConfig.page_size``
+entries a page, the next page's URL in a ``Link: <…>; rel="next"`` header; ``.mp4``, ``.parquet``
+and ``.npz`` files carry their ``lfs.oid``, the SHA-256 of the content) and serves
 ``/datasets/OWNER/NAME/resolve/REV/<relpath>`` and ``/buckets/OWNER/NAME/resolve/<relpath>``;
 with ``redirect_to=<other server>`` every file request gets a ``302`` to the same file on the
 other server (carrying ``X-Linked-Etag`` / ``X-Linked-Size`` like the Hub's).
@@ -62,7 +65,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 FAULT_MODES = ("reset", "500", "502", "503", "429", "short", "ignore_range", "200_content_range",
                "wrong_range", "416", "slow", "redirect", "403", "short_framed", "short_chunked")
@@ -71,6 +74,8 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _HUB_RESOLVE = re.compile(r"/datasets/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)")
 _BUCKET_RESOLVE = re.compile(r"/buckets/([^/]+)/([^/]+)/resolve/(.+)")
 _HUB_REVISION = re.compile(r"/api/datasets/([^/]+)/([^/]+)/revision/([^/]+)")
+_HUB_TREE = re.compile(r"/api/datasets/([^/]+)/([^/]+)/tree/([^/]+)(?:/(.*))?")
+_LFS_SUFFIXES = (".mp4", ".parquet", ".npz")  # what the Hub's default .gitattributes keeps in LFS
 
 
 @dataclass
@@ -101,6 +106,7 @@ class HubConfig:
 
     revisions: dict[str, str] = field(default_factory=dict)  # branch/tag -> 40-hex commit
     token: str | None = None  # if set, resolve and API calls without it get 401
+    page_size: int = 1000  # entries per page of a tree listing
 
 
 @dataclass
@@ -177,6 +183,28 @@ class RangeServer:
     def replace_file(self, relpath: str, content: bytes) -> None:
         with self._lock:
             self._overrides[relpath] = content
+
+    def tree(self, folder: str) -> list[dict]:
+        """The Hub's recursive listing of ``folder`` ("" for the top): directories and files."""
+        base = self.folder / folder
+        with self._lock:
+            overrides = [r for r in self._overrides if r.startswith(folder)]
+        paths = set()
+        if base.is_dir():
+            paths = {str(p.relative_to(self.folder)) for p in base.rglob("*")}
+        entries = []
+        for relpath in sorted(paths | set(overrides)):
+            content = self.content(relpath)
+            if content is None:
+                entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": relpath})
+                continue
+            blob = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+            entry = {"type": "file", "oid": blob, "size": len(content), "path": relpath}
+            if relpath.endswith(_LFS_SUFFIXES):
+                entry["lfs"] = {"oid": hashlib.sha256(content).hexdigest(), "size": len(content),
+                                "pointerSize": 134}
+            entries.append(entry)
+        return entries
 
     def content(self, relpath: str) -> bytes | None:
         with self._lock:
@@ -296,6 +324,8 @@ def _make_handler(server: RangeServer):
                 if not sha:
                     return self._reply(404, b"no such revision")
                 return self._reply(200, json.dumps({"sha": sha}).encode(), head=head)
+            if hub is not None and (m := _HUB_TREE.fullmatch(path)):
+                return self._serve_tree(hub, m[4] or "", head)
             relpath = path.lstrip("/")
             if hub is not None and (m := _HUB_RESOLVE.fullmatch(path)):
                 relpath = m[4]
@@ -312,6 +342,19 @@ def _make_handler(server: RangeServer):
                     "X-Linked-Size": str(len(content)),
                 })
             self._serve_file(content, range_header, mode, head)
+
+        def _serve_tree(self, hub: HubConfig, folder: str, head: bool) -> None:
+            """One page of the listing; the query's ``cursor`` is where the page starts."""
+            query = parse_qs(urlsplit(self.path).query)
+            start = int(query.get("cursor", ["0"])[0])
+            entries = server.tree(folder)
+            extra = {"Content-Type": "application/json"}
+            if start + hub.page_size < len(entries):
+                after = urlsplit(self.path)._replace(
+                    query=f"recursive=true&cursor={start + hub.page_size}")
+                extra["Link"] = f'<{server.url}{after.geturl()}>; rel="next"'
+            page = entries[start : start + hub.page_size]
+            return self._reply(200, json.dumps(page).encode(), extra=extra, head=head)
 
         def _serve_file(self, content: bytes, range_header: str | None, mode: str,
                         head: bool) -> None:

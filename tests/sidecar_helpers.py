@@ -2,10 +2,11 @@
 command-line builder so other processes can build (or hold the lock) concurrently.
 
 Run as ``python tests/sidecar_helpers.py build CACHE ROOT LOG DELAY_S`` to build the index of the
-dataset in ROOT with an indexer that appends one line per indexed file to LOG and sleeps DELAY_S
-first (``stdin`` for DELAY_S: it waits for a line on stdin, or its end, instead, so a test decides
-when indexing goes on); ``python tests/sidecar_helpers.py hold LOCK`` takes the lock file and
-sleeps until killed.
+dataset in ROOT, one file at a time, with an indexer that appends one line per indexed file to
+LOG and then sleeps DELAY_S (``stdin`` for DELAY_S: it waits for a line on stdin, or its end,
+instead, so a test decides when indexing goes on); ``... hold LOCK`` takes the lock file and
+sleeps until killed; ``... volatile CACHE ROOT`` indexes ROOT as a source without identities,
+prints the records' paths and sleeps until killed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from media import encode_video, index_from_pyav, pattern_frames  # noqa: E402
 
-from refstream.sidecar import DatasetIdentity, ensure_index  # noqa: E402
+from refstream.sidecar import ensure_index  # noqa: E402
 from refstream.source import LocalSource  # noqa: E402
 
 # Three files in two folders, like a LeRobot videos/ tree, with both codecs.
@@ -60,21 +61,31 @@ def pyav_indexer(log_path: Path | None = None, delay_s: float = 0.0, wait=None):
     return indexer
 
 
+class NoIdentitySource(LocalSource):
+    """A folder whose files have no identity, as an HTTP server without ETag or Last-Modified."""
+
+    def identity(self, relpath: str) -> str:
+        return ""
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "build":
         cache, root, log, delay = argv[1:5]
-        relpaths = sorted(DATASET_FILES)
         indexer = (pyav_indexer(Path(log), wait=sys.stdin.readline) if delay == "stdin"
                    else pyav_indexer(Path(log), float(delay)))
-        location = ensure_index(
-            LocalSource(root), relpaths, DatasetIdentity(root), cache_root=cache,
-            workers=1, indexer=indexer,
-        )
-        print(location.origin, location.compact_path, flush=True)
+        index = ensure_index(LocalSource(root), sorted(DATASET_FILES), cache_root=cache,
+                             workers=1, indexer=indexer)
+        print(index.origin, index.indexed, flush=True)
     elif argv[0] == "hold":
         fd = os.open(argv[1], os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("held", flush=True)
+        time.sleep(3600)
+    elif argv[0] == "volatile":
+        cache, root = argv[1:3]
+        index = ensure_index(NoIdentitySource(root), sorted(DATASET_FILES), cache_root=cache,
+                             workers=1, indexer=pyav_indexer())
+        print(" ".join(record.path for record in index.records.values()), flush=True)
         time.sleep(3600)
 
 

@@ -489,41 +489,49 @@ def test_tolerance_must_be_a_finite_non_negative_number(dataset):
 # --- 5. sidecar ------------------------------------------------------------------------------
 
 
-def build_sidecar(root: Path, cache_root: Path) -> Path:
+def build_sidecar(root: Path, cache_root: Path, indexer=None) -> sidecar.VideoIndex:
     source = open_source(root)
     relpaths = sidecar.video_relpaths(load_meta(source))
-    identity = sidecar.dataset_identity(root, source, relpaths)
-    location = sidecar.ensure_index(source, relpaths, identity, cache_root=cache_root, workers=1,
-                                    progress=lambda *a: None)
-    return location.compact_path.parent
+    return sidecar.ensure_index(source, relpaths, cache_root=cache_root, workers=1,
+                                indexer=indexer)
 
 
 def test_valid_sidecar_is_compared_with_the_files(dataset):
     build_sidecar(dataset, dataset.parent / "cache")
     checks = doctor(dataset)
     assert failing(checks) == set()
-    assert "index.compact is valid" in checks["sidecar"].detail
-    assert "index.npz is valid" in checks["sidecar"].detail
+    assert "4 of 4 video files have a valid index record" in checks["sidecar"].detail
 
 
 def test_no_sidecar_is_a_note(dataset):
     check = doctor(dataset)["sidecar"]
-    assert check.ok and "no sidecar" in check.detail
+    assert check.ok and "0 of 4 video files" in check.detail
+    assert "training indexes the others" in check.detail
 
 
-def test_stale_sidecar_is_a_note_because_training_rebuilds_it(dataset):
+def test_a_changed_video_is_a_note_because_training_indexes_it(dataset):
     build_sidecar(dataset, dataset.parent / "cache")
     path = dataset / video(FRONT, 1)
     stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # new fingerprint
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # new identity
     check = doctor(dataset)["sidecar"]
-    assert check.ok
-    assert "not valid for the files" in check.detail and video(FRONT, 1) in check.detail
+    assert check.ok and "3 of 4 video files" in check.detail
+
+
+def test_a_corrupt_record_is_a_note_because_training_indexes_it_again(dataset):
+    index = build_sidecar(dataset, dataset.parent / "cache")
+    record = Path(index.records[video(WRIST, 0)].path)
+    data = bytearray(record.read_bytes())
+    data[-1] ^= 0xFF  # in the arrays: the digest fails
+    record.write_bytes(bytes(data))
+    check = doctor(dataset)["sidecar"]
+    assert check.ok and "not valid" in check.detail and video(WRIST, 0) in check.detail
+    assert "digest" in check.detail
 
 
 def test_sidecar_that_disagrees_with_the_files_fails(dataset):
-    """A sidecar valid by sizes and fingerprints but with wrong sample times would be trusted
-    by training: the doctor compares it field by field with the parsed files."""
+    """A record valid for the file's size and identity but with wrong sample times would be
+    trusted by training: the doctor compares it field by field with the parsed file."""
     from refstream.mp4 import parse_index
 
     def late_indexer(read_range, size, relpath):
@@ -531,29 +539,25 @@ def test_sidecar_that_disagrees_with_the_files_fails(dataset):
         return dataclasses.replace(index, pts=index.pts + 1) if relpath == video(WRIST, 0) \
             else index
 
-    directory = build_sidecar(dataset, dataset.parent / "cache")
-    source = open_source(dataset)
-    relpaths = sidecar.video_relpaths(load_meta(source))
-    identity = sidecar.dataset_identity(dataset, source, relpaths)
-    with open(directory / "index.npz", "wb") as handle:
-        sidecar.build_npz(handle, source, identity, sidecar.file_states(source, relpaths),
-                          workers=1, progress=lambda *a: None, indexer=late_indexer)
-    os.remove(directory / "index.compact")
+    build_sidecar(dataset, dataset.parent / "cache", late_indexer)
     checks = doctor(dataset)
     assert failing(checks) == {"sidecar"}
     problem = checks["sidecar"].problems[0]
-    assert "index.npz" in problem and video(WRIST, 0) in problem and "pts[0]" in problem
-    # Training would turn that npz into the compact file it maps: that one is wrong too.
-    build_sidecar(dataset, dataset.parent / "cache")
-    problems = doctor(dataset)["sidecar"].problems
-    assert any("index.compact" in p and "pts[0]" in p for p in problems)
+    assert "cache" in problem and video(WRIST, 0) in problem and "pts[0]" in problem
 
 
 def test_published_sidecar_is_checked(dataset):
-    directory = build_sidecar(dataset, dataset.parent / "elsewhere")
-    shutil.copy(directory / "index.npz", dataset / sidecar.PUBLISHED_RELPATH)
+    from refstream.mp4 import parse_index
+
+    def late_indexer(read_range, size, relpath):
+        index = parse_index(read_range, size, relpath)
+        return dataclasses.replace(index, width=index.width + 2)
+
+    index = build_sidecar(dataset, dataset.parent / "elsewhere", late_indexer)
+    sidecar.export_index(index, dataset / sidecar.PUBLISHED_RELPATH)
     check = doctor(dataset)["sidecar"]
-    assert check.ok and f"{sidecar.PUBLISHED_RELPATH} is valid" in check.detail
+    assert not check.ok and check.problem_count == 4 and "4 of 4 video files" in check.detail
+    assert all(p.startswith(sidecar.PUBLISHED_RELPATH) and "width" in p for p in check.problems)
 
 
 # --- the command -----------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_nginx_ranges_are_spans_and_parquet_reads(dataset_root):
     with NginxServer(dataset_root) as server:
         dataset = StreamingDataset(server.url, delta_timestamps=WINDOWS, seed=6,
                                    episode_pool_size=2)
-        setup = len(server.access_log())
+        setup = server.mark()
         items = _items(dataset, num_workers=2)
         log = server.access_log()[setup:]
     seen = sorted((int(i["episode_index"]), int(i["frame_index"])) for i in items)

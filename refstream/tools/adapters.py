@@ -13,7 +13,9 @@ import email.utils
 import hashlib
 import io
 import json
+import os
 import re
+import tempfile
 from itertools import islice
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from refstream.http import (
 )
 from refstream.hub import hub_endpoint, parse_hf_root
 from refstream.meta import MemorySource, load_meta, select_episodes
-from refstream.mp4 import parse_index_bytes
+from refstream.mp4 import SampleIndex, parse_index_bytes
 from refstream.planner import Planner
 from refstream.resume import (
     Course,
@@ -51,7 +53,8 @@ from refstream.resume import (
 )
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
-from refstream.sidecar import _storage
+from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
+from refstream.source import LocalSource
 from refstream.synth import select_span, span_of, synthesize, synthesized_size
 from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling, unserved_requests
@@ -403,12 +406,29 @@ def kind_frame_select(case: dict) -> dict:
     return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
 
-def kind_sidecar_storage(case: dict) -> dict:
-    """Kind ``sidecar_storage`` (SPEC §10.4)."""
-    raw = case["values"]
-    flags = bool(raw) and all(isinstance(v, bool) for v in raw) or case.get("flags", False)
-    block, _ = _storage(np.array(raw, dtype=bool if flags else np.int64))
-    return block if "value" in block else {"dtype": block["dtype"]}
+def kind_sidecar_record(case: dict) -> dict:
+    """Kind ``sidecar_record`` (SPEC §10.2)."""
+    fields = case["index"]
+    identity = case.get("identity")
+    if identity is None:  # the identity of a local file of that size and mtime
+        with tempfile.TemporaryDirectory() as folder:
+            with open(Path(folder) / "video.mp4", "wb") as handle:
+                handle.truncate(fields["file_size"])
+            mtime_ns = int(case["local_mtime_ns"])  # a 64-bit field: a decimal string
+            os.utime(Path(folder) / "video.mp4", ns=(mtime_ns, mtime_ns))
+            identity = LocalSource(folder).identity("video.mp4")
+    index = SampleIndex(
+        path="case", file_size=fields["file_size"], ftyp=bytes.fromhex(fields["ftyp"]),
+        stsd=bytes.fromhex(fields["stsd"]), **{name: fields[name] for name in SCALAR_FIELDS},
+        **{name: np.array(fields[name], bool if name == "keyframe" else np.int64)
+           for name in ARRAY_FIELDS})
+    record = np.load(io.BytesIO(record_bytes(index, identity)), allow_pickle=False)
+    arrays = b"".join(record[name][0].tobytes() for name in record.dtype.names[2:])
+    return {"identity": identity, "name": record_name(index.file_size, identity),
+            "fields": [[name, record.dtype[name].base.str, list(record.dtype[name].shape)]
+                       for name in record.dtype.names],
+            "meta": json.loads(record["meta"][0].tobytes()),
+            "arrays_sha256": hashlib.sha256(arrays).hexdigest()}
 
 
 def _media_index(case_input: dict):
@@ -492,7 +512,7 @@ ADAPTERS = {
     "row_group_candidates": kind_row_group_candidates,
     "budget_ops": kind_budget_ops,
     "frame_select": kind_frame_select,
-    "sidecar_storage": kind_sidecar_storage,
+    "sidecar_record": kind_sidecar_record,
     "mp4_index": kind_mp4_index,
     "span": kind_span,
     "synth": kind_synth,

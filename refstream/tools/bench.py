@@ -85,7 +85,7 @@ from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.mp4 import parse_index
 from refstream.planner import Planner
 from refstream.resume import Course, Order, Segment, delivered_by
-from refstream.sidecar import CACHE_ENV, default_cache_root, map_index
+from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, default_cache_root
 from refstream.source import LocalSource
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools import demo
@@ -250,10 +250,10 @@ class SpanTotals:
     episode_bytes: dict[int, int]  # episode -> synthesized mini-MP4 bytes over its cameras
 
 
-def span_totals(root: Path, meta: DatasetMeta, index_path: str) -> SpanTotals:
+def span_totals(root: Path, meta: DatasetMeta, video_index: VideoIndex) -> SpanTotals:
     """The minimal exact spans: ``synth.episode_spans`` at the times each episode's rows
     request, read from the Parquet."""
-    index = map_index(index_path)
+    index = MappedIndex(video_index)
     relpaths = sorted({meta.data_relpath(int(e)) for e in meta.episode_index})
     table = pa.concat_tables([pq.read_table(root / r, columns=["episode_index", "timestamp"])
                               for r in relpaths])
@@ -816,7 +816,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         say("refstream from the local folder")
         local_root = str(root)
         local_probe = _streaming(local_root, config, windows, 0)  # builds the sidecar
-        spans = span_totals(root, meta, local_probe.index_path)
+        spans = span_totals(root, meta, local_probe.video_index)
         episode_sizes = [spans.episode_bytes[e] for e in local_probe.episodes]
         passes = [timed_pass(lambda r=r: _with(_streaming(local_root, config, windows, r),
                                                config), None)

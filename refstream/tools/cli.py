@@ -342,9 +342,10 @@ COMMANDS.append(add_plan)
 
 
 def add_index(subparsers) -> None:
-    p = _command(subparsers, "index", "build or refresh the MP4 index sidecar of a dataset")
+    p = _command(subparsers, "index", "build or refresh the video index of a dataset")
     p.add_argument("root", help=ROOT_HELP)
-    p.add_argument("--output", help="also write the index here, e.g. ROOT/meta/refstream-index.npz")
+    p.add_argument("--output", help="also write the publishable index here; a maintainer "
+                   "uploads it to the dataset as meta/refstream-index.npz")
     p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(run=run_index)
@@ -352,29 +353,32 @@ def add_index(subparsers) -> None:
 
 def run_index(args) -> int:
 
+    from pathlib import Path
+
     from refstream import sidecar
     from refstream.meta import load_meta
     from refstream.source import open_source
 
     source = open_source(args.root)
-    relpaths = sidecar.video_relpaths(load_meta(source))
-    location = sidecar.ensure_index(source, relpaths, sidecar.dataset_identity(
-        args.root, source, relpaths), workers=args.workers)
-    index = sidecar.map_index(location.compact_path)
-    built = location.summary
+    index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
+                                 workers=args.workers)
+    records = {record.path: record for record in index.records.values()}
     summary = {
         "root": args.root,
-        "origin": location.origin,
-        "files": len(index),
-        "samples": sum(f["samples"] for f in index.manifest["files"]),
-        "video_bytes": sum(f["size"] for f in index.manifest["files"]),
-        "bytes_read_to_index": built.bytes_read if built else 0,
-        "seconds": round(built.seconds, 3) if built else 0.0,
-        "compact_index": str(location.compact_path),
-        "compact_bytes": location.compact_path.stat().st_size,
+        "origin": index.origin,
+        "files": len(index.records),
+        "indexed": index.indexed,
+        # one record mapped at a time: mapping them all would hold their pages
+        "samples": sum(len(sidecar.read_record(path, record.size, record.identity))
+                       for path, record in records.items()),
+        "video_bytes": sum(record.size for record in index.records.values()),
+        "bytes_read_to_index": index.bytes_read,
+        "seconds": round(index.seconds, 3),
+        "index_folder": str(sidecar.cache_folder()),
+        "index_bytes": sum(Path(path).stat().st_size for path in records),
     }
     if args.output:
-        summary["output"] = str(sidecar.export_npz(location, args.output))
+        summary["output"] = str(sidecar.export_index(index, args.output))
     _print_summary(summary, args.json)
     return 0
 

@@ -41,14 +41,13 @@ failed) when the metadata cannot be loaded:
    refuses an episode whose actual times need a sample outside that span: both are checked.
    Episodes sharing a file must claim disjoint ``[from_timestamp, to_timestamp)`` windows
    (overlap beyond ``tolerance_s`` is a problem): else one is silently served the other's frames.
-5. **sidecar** — the persistent MP4 index (:mod:`refstream.sidecar`) as training would find it:
-   the cache's ``index.compact`` and ``index.npz`` and the published
-   ``meta/refstream-index.npz`` (needs ``root``: an index is valid only for the root it was
-   built for). Each one present is validated with
-   :func:`refstream.sidecar.read_npz` against the files' current sizes and fingerprints. An
-   invalid (stale, foreign or corrupt) one is a note: training ignores it and indexes again. A
-   valid one is trusted by training, so its every field must equal what ``parse_index`` reads
-   from the file now; a difference fails the check. No sidecar at all is a note.
+5. **sidecar** — the video index (:mod:`refstream.sidecar`) as training would find it: the
+   cache's record of each video file's current size and content identity, and the published
+   index's (``meta/refstream-index.npz``). Each record present is read with its digest checked
+   (:func:`refstream.sidecar.read_record`); a corrupt one is a note (training ignores it and
+   indexes that file again). A valid one is trusted by training, so its every field must equal
+   what ``parse_index`` reads from the file now; a difference fails the check. Files without a
+   record are a note.
 
 A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them. Every
 problem names the file, the episode, the camera or the field involved.
@@ -57,9 +56,9 @@ problem names the file, the episode, the camera or the field involved.
 from __future__ import annotations
 
 import io
-import json
 import math
 import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -184,11 +183,10 @@ def check_dataset(
 ) -> Report:
     """Run every check of the module docstring on ``source`` and return the report.
 
-    ``root`` is the dataset root as training is given it (folder or URL): it names the report and
-    is part of the identity every sidecar is valid for (without it the sidecar is not looked at,
-    which the sidecar check notes). ``progress``:
-    a tqdm bar on stderr over the files read; ``None`` shows it when stderr is a terminal.
-    ``cache_root`` overrides ``$REFSTREAM_CACHE`` as :func:`refstream.sidecar.cache_directory`.
+    ``root`` is the dataset root as training is given it (folder or URL): it names the report.
+    ``progress``: a tqdm bar on stderr over the files read; ``None`` shows it when stderr is a
+    terminal. ``cache_root`` overrides ``$REFSTREAM_CACHE`` as
+    :func:`refstream.sidecar.cache_folder` does.
     """
     if not (isinstance(tolerance_s, int | float) and math.isfinite(tolerance_s)
             and tolerance_s >= 0):
@@ -205,7 +203,7 @@ def check_dataset(
         rows_check, timestamps = _check_rows(source, meta, tick)
         videos_check, indexes = _check_videos(source, meta, timestamps, tolerance_s, tick)
         checks += [rows_check, videos_check]
-    checks.append(_check_sidecar(source, meta, root, cache_root, indexes))
+    checks.append(_check_sidecar(source, meta, cache_root, indexes))
     return Report(label, checks)
 
 
@@ -545,111 +543,74 @@ def _ids(episodes: list[int], shown: int = 10) -> str:
 # --- 5. sidecar ------------------------------------------------------------------------------
 
 
-def _check_sidecar(source: Source, meta: DatasetMeta, root: str | Path | None,
-                   cache_root: str | Path | None, indexes: dict[str, SampleIndex]) -> Check:
+def _check_sidecar(source: Source, meta: DatasetMeta, cache_root: str | Path | None,
+                   indexes: dict[str, SampleIndex]) -> Check:
     relpaths = sidecar.video_relpaths(meta)
     if not relpaths:
         return Check("sidecar", True, "no video files: nothing to index")
-    if root is None:
-        return Check("sidecar", True, "not looked at: no root given (a sidecar is only valid "
-                     "for the root it was built for)")
     try:
-        states = sidecar.file_states(source, relpaths)
-        identity = sidecar.dataset_identity(root, source, relpaths)
+        identities = source.content_identities(relpaths)
     except RefstreamError as exc:
-        return Check("sidecar", False, f"skipped: the video files' sizes and fingerprints "
-                     f"cannot be read ({type(exc).__name__}: {exc})", skipped=True)
-    problems, notes = _Problems(), []
-    for label, open_candidate in _sidecar_candidates(source, identity, cache_root):
-        try:
-            npz = open_candidate()
-            if npz is None:
+        return Check("sidecar", False, f"skipped: the video files' sizes and identities cannot "
+                     f"be read ({type(exc).__name__}: {exc})", skipped=True)
+    problems, notes, found = _Problems(), [], set()
+    try:
+        for label, relpath, record in _sidecar_records(source, identities, cache_root):
+            size, identity = identities[relpath]
+            try:
+                stored = sidecar.read_record(record, size, identity, relpath, verify=True)
+            except SidecarInvalid as exc:
+                notes.append(f"{label} is not valid, so training ignores it and indexes "
+                             f"{relpath} again ({exc})")
                 continue
-            manifest, arrays = sidecar.read_npz(npz, identity, states, label=label)
-        except (SidecarInvalid, OSError) as exc:
-            notes.append(f"{label} is not valid for the files, so training ignores it and "
-                         f"indexes again ({exc})")
-            continue
-        _compare_sidecar(label, manifest, arrays, indexes, problems)
-        notes.append(f"{label} is valid and was compared with {len(indexes)} parsed files")
-    if not notes:
-        notes.append("no sidecar in the cache or the dataset: training indexes the videos on "
-                     "first open")
+            found.add(relpath)
+            if relpath in indexes:
+                _compare_record(f"{label}: {relpath}", stored, indexes[relpath], problems)
+    except (RefstreamError, *sidecar.UNREADABLE) as exc:
+        notes.append(f"{sidecar.PUBLISHED_RELPATH} is not readable, so training ignores it "
+                     f"({type(exc).__name__}: {exc})")
+    notes.append(f"{len(found)} of {len(identities)} video files have a valid index record, "
+                 "compared with the files")
+    if len(found) < len(identities):
+        notes.append("training indexes the others when it first opens the dataset")
     return problems.check("sidecar", "; ".join(notes))
 
 
-def _sidecar_candidates(
-    source: Source, identity: sidecar.DatasetIdentity, cache_root: str | Path | None,
-) -> list[tuple[str, Callable[[], io.BytesIO | None]]]:
-    """(label, opener) in the order training looks; an opener returns None when absent."""
-    directory = sidecar.cache_directory(identity, cache_root)
-    return [
-        (f"cache {directory / 'index.compact'}",
-         lambda: _compact_as_npz(directory / "index.compact")),
-        (f"cache {directory / 'index.npz'}", lambda: _file_bytes(directory / "index.npz")),
-        (sidecar.PUBLISHED_RELPATH, lambda: _published(source)),
-    ]
-
-
-def _file_bytes(path: Path) -> io.BytesIO | None:
+def _sidecar_records(source: Source, identities: dict[str, tuple[int, str]],
+                     cache_root: str | Path | None) -> Iterator[tuple[str, str, object]]:
+    """(label, relpath, record file or bytes) of every record training could use: the cache's,
+    then the published index's."""
+    folder = sidecar.cache_folder(cache_root)
+    stable = {relpath: sidecar.record_name(size, identity)
+              for relpath, (size, identity) in identities.items() if identity}
+    for relpath, name in stable.items():
+        if (folder / name).exists():
+            yield f"cache {folder / name}", relpath, folder / name
     try:
-        return io.BytesIO(path.read_bytes())
-    except FileNotFoundError:
-        return None
-
-
-def _published(source: Source) -> io.BytesIO | None:
-    try:
-        return io.BytesIO(source.read_bytes(sidecar.PUBLISHED_RELPATH))
+        size = source.size(sidecar.PUBLISHED_RELPATH)
     except MalformedDataset:  # how every source reports a missing file
-        return None
+        return
+    with zipfile.ZipFile(RangeFile(source, sidecar.PUBLISHED_RELPATH, size)) as archive:
+        members = set(archive.namelist())
+        for relpath, name in stable.items():
+            if name in members:
+                yield f"{sidecar.PUBLISHED_RELPATH} {name}", relpath, io.BytesIO(archive.read(name))
 
 
-def _compact_as_npz(path: Path) -> io.BytesIO | None:
-    """The compact file's manifest and arrays as a canonical NPZ in memory, so that one
-    validator (``sidecar.read_npz``) judges both forms; digest and bounds are checked first."""
-    try:
-        compact = sidecar.map_index(path, verify=True)
-    except FileNotFoundError:
-        return None
-    try:
-        relpaths = [entry["relpath"] for entry in compact.manifest["files"]]
-        arrays = {
-            name: np.concatenate([getattr(compact[p], name) for p in relpaths])
-            if relpaths else np.zeros(0, bool if name == "keyframe" else np.int64)
-            for name in sidecar.ARRAY_FIELDS
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SidecarInvalid(f"{path}: bad manifest entry ({exc})") from exc
-    buffer = io.BytesIO()
-    manifest = np.frombuffer(json.dumps(compact.manifest).encode(), np.uint8)
-    np.savez(buffer, manifest=manifest, **arrays)
-    buffer.seek(0)
-    return buffer
-
-
-def _compare_sidecar(label: str, manifest: dict, arrays: dict[str, np.ndarray],
-                     indexes: dict[str, SampleIndex], problems: _Problems) -> None:
-    """Every field the sidecar holds for a file must equal what parse_index reads now."""
-    start = 0
-    for entry in manifest["files"]:
-        relpath, count = entry["relpath"], entry["samples"]
-        stop = start + count
-        parsed = indexes.get(relpath)
-        if parsed is not None:
-            where = f"{label}: {relpath}"
-            expected = {name: getattr(parsed, name) for name in sidecar.SCALAR_FIELDS}
-            expected.update(samples=len(parsed.pts), size=parsed.file_size,
-                            ftyp=parsed.ftyp.hex(), stsd=parsed.stsd.hex())
-            for name, value in expected.items():
-                if entry[name] != value:
-                    problems.add(f"{where}: {name} is {entry[name]!r}, the file has {value!r}")
-            if count == len(parsed.pts):
-                for name in sidecar.ARRAY_FIELDS:
-                    stored, actual = arrays[name][start:stop], getattr(parsed, name)
-                    bad = np.flatnonzero(stored != actual)
-                    if len(bad):
-                        k = int(bad[0])
-                        problems.add(f"{where}: {name}[{k}] is {stored[k]!r}, the file has "
-                                     f"{actual[k]!r} ({len(bad)} samples differ)")
-        start = stop
+def _compare_record(where: str, stored: SampleIndex, parsed: SampleIndex,
+                    problems: _Problems) -> None:
+    """Every field a record holds must equal what parse_index reads from the file now."""
+    for name in ("file_size", "ftyp", "stsd", *sidecar.SCALAR_FIELDS):
+        if getattr(stored, name) != getattr(parsed, name):
+            problems.add(f"{where}: {name} is {getattr(stored, name)!r}, the file has "
+                         f"{getattr(parsed, name)!r}")
+    if len(stored) != len(parsed):
+        problems.add(f"{where}: {len(stored)} samples, the file has {len(parsed)}")
+        return
+    for name in sidecar.ARRAY_FIELDS:
+        values, actual = getattr(stored, name), getattr(parsed, name)
+        bad = np.flatnonzero(values != actual)
+        if len(bad):
+            k = int(bad[0])
+            problems.add(f"{where}: {name}[{k}] is {values[k]!r}, the file has {actual[k]!r} "
+                         f"({len(bad)} samples differ)")
