@@ -24,6 +24,7 @@ call that blocks: it waits on a condition woken by every change that can free ro
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError
 
 __all__ = ["ByteBudget", "BudgetSnapshot"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -207,10 +210,15 @@ class ByteBudget:
 
     def _wait_reserve_locked(self, episode: int, size_bytes: int, timeout_s: float | None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waited = False
         while not self._reserve_locked(episode, size_bytes):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
+            if not waited:
+                log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
+                          episode, size_bytes, self._reserved_bytes, self.budget_bytes)
+                waited = True
             self._cond.wait(remaining)
         return True
 

@@ -61,7 +61,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from refstream import shard, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache
-from refstream.errors import FetchError, TableError, TopologyChanged, UsageError
+from refstream.errors import (
+    EpisodeTooLarge,
+    FetchError,
+    TableError,
+    TopologyChanged,
+    UsageError,
+)
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, column_array, load_meta, select_episodes
 from refstream.mp4 import SampleIndex
@@ -152,11 +158,12 @@ class StreamingDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         batch_size: int | None = None,
+        num_workers: int | None = None,
         sidecar_lock_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         _check_settings(sampling_strategy, prefetch_episodes, byte_budget_gb,
-                        decode_threads, decoded_queue_size, batch_size)
+                        decode_threads, decoded_queue_size, batch_size, num_workers)
         self.root = str(root)
         self.tolerance_s = float(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -172,17 +179,23 @@ class StreamingDataset(IterableDataset):
         self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
+        self.num_workers = num_workers
         self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
+        if not (repeat or self.world_size == 1 or batch_size):
+            raise UsageError(
+                f"world_size {self.world_size} without repeat: pass batch_size (the "
+                "DataLoader's) so every rank stops after the same number of batches, or use "
+                "repeat=True")
 
         source = open_source(self.root)
         try:
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
-            self.frames = [self.meta.frames(e) for e in self.episodes]
+            self._frames = [self.meta.frames(e) for e in self.episodes]
             self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
                                         feature_keys=self.meta.features)
-            self.rank_episodes = shard.rank_share(self.episodes, self.frames, self.rank,
+            self.rank_episodes = shard.rank_share(self.episodes, self._frames, self.rank,
                                                   self.world_size)
             self.video_index: VideoIndex | None = None
             if self.meta.camera_keys:
@@ -192,7 +205,7 @@ class StreamingDataset(IterableDataset):
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         finally:
             source.close()
-        self._frames_of = dict(zip(self.episodes, self.frames, strict=True))
+        self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
         self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
         # The position (see _EPOCH…); 0 batch size = no resume. The earlier topologies of a
         # resume and what they delivered live here (workers get them when they start).
@@ -228,7 +241,21 @@ class StreamingDataset(IterableDataset):
     @property
     def num_frames(self) -> int:
         """Frames of the selected episodes (over every rank)."""
-        return sum(self.frames)
+        return sum(self._frames)
+
+    def __len__(self) -> int:
+        """Samples this rank yields in an epoch: every frame of its episodes, or, with
+        ``world_size > 1`` and no ``repeat``, those of the batches every rank can fill (SPEC
+        §9.5), which depends on the DataLoader's worker count: give ``num_workers``."""
+        if self.repeat or self.world_size == 1:
+            return self.rank_frames
+        if self.num_workers is None:
+            raise UsageError(
+                "len() of a distributed epoch depends on the DataLoader's worker count: build "
+                "the dataset with num_workers=N (the DataLoader's)")
+        course = Course(self._order(), Delivered(0), self.world_size, max(1, self.num_workers),
+                        self.batch_size)
+        return sum(course.positions(self.rank, 0).stops)
 
     def selection_stats(self) -> dict:
         """The normalisation statistics of the selected episodes alone, combined from each
@@ -321,14 +348,14 @@ class StreamingDataset(IterableDataset):
             num_workers=num_workers,
             batch_size=batch_size,
             repeat=self.repeat,
-            selection=selection_digest(self.episodes, self.frames),
+            selection=selection_digest(self.episodes, self._frames),
         )
 
     # --- iteration ----------------------------------------------------------------------------
 
     def _order(self, byte_sizes: dict[int, int] | None = None) -> Order:
         return Order(
-            tuple(self.episodes), tuple(self.frames), seed=self.seed,
+            tuple(self.episodes), tuple(self._frames), seed=self.seed,
             strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None, repeat=self.repeat,
             byte_sizes=None if byte_sizes is None else tuple(byte_sizes[e] for e in self.episodes))
@@ -360,11 +387,10 @@ class StreamingDataset(IterableDataset):
                 f"the checkpoint was loaded for {resume_workers} DataLoader worker(s), this "
                 f"DataLoader has {num_workers}: pass num_workers={num_workers} to "
                 "load_state_dict to resume with them")
-        if not (self.repeat or self.world_size == 1 or resume_batch or self.batch_size):
+        if self.num_workers is not None and max(1, self.num_workers) != num_workers:
             raise UsageError(
-                f"world_size {self.world_size} without repeat: pass batch_size (the "
-                "DataLoader's) so every rank stops after the same number of batches, or use "
-                "repeat=True")
+                f"the dataset was made with num_workers={self.num_workers}, this DataLoader has "
+                f"{0 if info is None else num_workers} workers: give both the same count")
         course = Course(self._order(), self._delivered if history else Delivered(epoch),
                         self.world_size, num_workers, resume_batch or self.batch_size or 1)
         positions = course.positions(self.rank, samples)
@@ -390,13 +416,28 @@ class StreamingDataset(IterableDataset):
         worker = _WorkerStream(self, sorted(episodes), limits, stats)
         try:
             while True:
-                planner = course.planner(self.rank, logical, epoch, worker.byte_sizes)
+                planner = self._planner(course, logical, epoch, worker.byte_sizes,
+                                        limits.byte_budget)
                 yield from worker.run(planner, offset, stop)
                 if not self.repeat:
                     return
                 epoch, offset = epoch + 1, 0
         finally:
             worker.close()
+
+
+    def _planner(self, course: Course, logical: int, epoch: int,
+                 byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
+        try:
+            return course.planner(self.rank, logical, epoch, byte_sizes)
+        except EpisodeTooLarge as exc:
+            need = max(byte_sizes.values())
+            workers = course.num_workers
+            raise EpisodeTooLarge(
+                f"{exc}: each of the {workers} DataLoader worker(s) gets byte_budget_gb="
+                f"{self.byte_budget / GIB:.4g} / {workers} = {worker_budget:,} bytes; raise "
+                f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"
+            ) from exc
 
 
 class _WorkerStream:
@@ -704,7 +745,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def _check_settings(strategy, prefetch_episodes, byte_budget_gb, decode_threads,
-                    decoded_queue_size, batch_size) -> None:
+                    decoded_queue_size, batch_size, num_workers) -> None:
     if strategy not in STRATEGIES:
         raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
     if prefetch_episodes < 0:
@@ -717,3 +758,5 @@ def _check_settings(strategy, prefetch_episodes, byte_budget_gb, decode_threads,
         raise UsageError(f"decoded_queue_size must be positive, got {decoded_queue_size}")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
+    if num_workers is not None and num_workers < 0:
+        raise UsageError(f"num_workers must be non-negative, got {num_workers}")

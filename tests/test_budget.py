@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -164,6 +165,22 @@ def test_admission_waits_and_is_woken_by_the_last_release():
     thread.join(HANG_GUARD_S)
     assert not thread.is_alive() and admitted == [True]
     assert budget.take_evicted() == [1]
+
+
+def test_a_wait_is_logged_once_at_debug(caplog):
+    budget = ByteBudget(100)
+    waiters = Waiters(budget)
+    fetched(budget, 1, 80)
+    assert budget.acquire(1, 80)  # a decode holds episode 1
+    thread = threading.Thread(target=budget.acquire, args=(2, 50), daemon=True)
+    with caplog.at_level(logging.DEBUG, logger="refstream.budget"):
+        thread.start()
+        waiters.until(1)
+        budget.release(1)
+        thread.join(HANG_GUARD_S)
+        assert budget.acquire(3, 10, timeout_s=0)  # fits at once: nothing logged
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, "episode 2 waits for 50 bytes of the byte budget (80 of 100 reserved)")]
 
 
 def test_timeout_returns_false_and_changes_nothing():

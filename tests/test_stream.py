@@ -327,9 +327,59 @@ def test_settings_are_checked(dataset_root):
         StreamingDataset(dataset_root, decode_threads=0)
     with pytest.raises(UsageError):
         StreamingDataset(dataset_root, rank=2, world_size=2)
-    dataset = StreamingDataset(dataset_root, rank=0, world_size=2)
-    with pytest.raises(UsageError, match="batch_size"):
-        next(iter(dataset))
+    with pytest.raises(UsageError, match="batch_size"):  # at once, not in a worker
+        StreamingDataset(dataset_root, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("world_size, num_workers, batch_size, repeat",
+                         [(1, 2, 4, False), (2, 2, 4, False), (3, 1, 5, False), (2, 2, 3, True)])
+def test_len_is_what_a_rank_yields_in_an_epoch(resume_root, world_size, num_workers,
+                                               batch_size, repeat):
+    for rank in range(world_size):
+        dataset = StreamingDataset(resume_root, rank=rank, world_size=world_size,
+                                   batch_size=batch_size, num_workers=num_workers, repeat=repeat)
+        loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        batches = iter(loader)
+        yielded = 0
+        while yielded < len(dataset) + (batch_size if repeat else 10**9):
+            try:
+                yielded += len(next(batches)["index"])
+            except StopIteration:
+                break
+        del batches
+        if repeat:  # endless: an epoch is every frame of the rank
+            assert len(dataset) == dataset.rank_frames
+        else:
+            assert len(dataset) == yielded, (rank, len(dataset), yielded)
+
+
+def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
+    dataset = StreamingDataset(resume_root, rank=0, world_size=2, batch_size=4)
+    with pytest.raises(UsageError, match="num_workers"):
+        len(dataset)
+    dataset = StreamingDataset(resume_root, batch_size=4, num_workers=2)
+    with pytest.raises(UsageError, match="num_workers=2"):
+        next(iter(DataLoader(dataset, batch_size=4, num_workers=1)))
+
+
+def test_an_episode_over_a_workers_share_of_the_budget_says_what_to_change(resume_root):
+    probe = StreamingDataset(resume_root)
+    largest = max(probe._byte_sizes(probe.episodes).values())
+    budget_gb = 1.5 * largest / GIB  # holds every episode, but half of it does not
+    one = DataLoader(StreamingDataset(resume_root, byte_budget_gb=budget_gb), batch_size=4)
+    assert sum(len(batch["index"]) for batch in one) == sum(RESUME_LENGTHS)
+    two = DataLoader(StreamingDataset(resume_root, byte_budget_gb=budget_gb), batch_size=4,
+                     num_workers=2)
+    with pytest.raises(EpisodeTooLarge) as raised:
+        for _ in two:
+            pass
+    message = str(raised.value)
+    assert f"byte_budget_gb={budget_gb:.4g} / 2" in message, message
+    assert "each of the 2 DataLoader worker(s)" in message and "or use fewer workers" in message
+    advice_gb = float(message.split("raise byte_budget_gb to at least ")[1].split()[0])
+    # twice the worker's largest episode, which is over half the budget: (1.5, 2] x largest
+    assert 1.5 * largest < advice_gb * GIB <= 2.001 * largest
+    assert "\n" not in message
 
 
 def test_rank_from_environment(dataset_root, monkeypatch):

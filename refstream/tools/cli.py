@@ -215,8 +215,8 @@ def run_stream(args) -> int:
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
     summary = {
         "root": args.root,
-        "episodes": len(dataset.episodes),
-        "frames": sum(dataset.frames),
+        "episodes": dataset.num_episodes,
+        "frames": dataset.num_frames,
         "samples": m.samples,
         "batches": m.batches,
         "seconds": round(m.seconds, 3),
