@@ -2,27 +2,19 @@
 
 Use::
 
-    meta = load_meta(source)                      # any Source; MemorySource holds files in a dict
+    meta = load_meta(source)                      # a Source: read_bytes(relpath) -> bytes
     ids = select_episodes(meta, [3, 7])           # None selects every episode
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
 
-A :class:`Source` has one method, ``read_bytes(relpath) -> bytes``: a whole file by its path
-relative to the dataset root (the local, HTTP and Hub sources are edges of the library). No
-listing is needed; every file name comes from ``meta/info.json``. :func:`load_meta` reads
-``meta/info.json`` (SPEC §4.2), the episodes files in LeRobot's rollover order with only the
-columns refstream uses (§4.3; ``stats/*`` only on demand, :mod:`refstream.stats`),
-``meta/tasks.parquet`` (§4.4) and ``meta/stats.json`` when present (§4.7), and checks them all
-before it returns. :func:`select_episodes` applies §4.5. Every reader of
-Parquet in refstream turns a column into numpy with :func:`column_array` (:func:`index_column` for
-integer and seconds columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
+:func:`load_meta` reads ``meta/info.json``, the episodes files (only the columns refstream uses),
+``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats`), and checks them all
+before it returns (SPEC §4.1–4.4, §4.7). Every reader of Parquet in refstream turns a column into
+numpy with :func:`column_array` (:func:`index_column` for integer and seconds columns);
+:func:`next_file` is LeRobot's (chunk, file) rollover step.
 
 Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
-indices, ``float64`` seconds; episode ids strictly increasing; an episode's frames are
-``dataset_to_index − dataset_from_index`` and equal its ``length``; every path the templates
-give for this dataset was checked safe at load time (:func:`check_relpath`, §4.1). Errors:
-:class:`~refstream.errors.UnsupportedDataset` (valid, but not what refstream reads; says what it
-is), :class:`~refstream.errors.MalformedDataset` (names the file, episode and field),
-:class:`~refstream.errors.UnsafePath` and :class:`~refstream.errors.EpisodeSelectionError`.
+indices, ``float64`` seconds; an episode's frames are ``to_index − from_index``; every path the
+templates give for this dataset was checked safe at load time (:func:`check_relpath`).
 """
 
 from __future__ import annotations
@@ -51,20 +43,8 @@ from refstream.errors import (
 from refstream.shard import episode_ids
 from refstream.stats import load_stats
 
-__all__ = [
-    "Source",
-    "DatasetMeta",
-    "load_meta",
-    "select_episodes",
-    "check_relpath",
-    "column_array",
-    "index_column",
-    "next_file",
-    "INFO_PATH",
-    "TASKS_PATH",
-    "EPISODES_PATH",
-    "EPISODE_COLUMNS",
-]
+__all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
+           "column_array", "index_column", "next_file"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -74,16 +54,22 @@ SUPPORTED_VERSION = "v3.0"
 # The command LeRobot ships to upgrade a v2.1 dataset, quoted in the error for older datasets.
 CONVERT_HINT = "python -m lerobot.datasets.v30.convert_dataset_v21_to_v30 --repo-id=<repo>"
 
-# Episodes-table columns read for every dataset; cameras add VIDEO_COLUMNS for each key.
-EPISODE_COLUMNS = (
-    "episode_index",
-    "length",
-    "dataset_from_index",
-    "dataset_to_index",
-    "data/chunk_index",
-    "data/file_index",
-)
-VIDEO_COLUMNS = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
+# Episodes-table column -> DatasetMeta field, read for every dataset (SPEC §4.3).
+EPISODE_COLUMNS = {
+    "episode_index": "episode_index",
+    "length": "length",
+    "dataset_from_index": "from_index",
+    "dataset_to_index": "to_index",
+    "data/chunk_index": "data_chunk",
+    "data/file_index": "data_file",
+}
+# Column videos/K/<name> of each camera K -> DatasetMeta field (a dict by camera).
+VIDEO_COLUMNS = {
+    "chunk_index": "video_chunk",
+    "file_index": "video_file",
+    "from_timestamp": "video_from_s",
+    "to_timestamp": "video_to_s",
+}
 
 # Placeholders each template may (and must) use.
 DATA_FIELDS = frozenset({"chunk_index", "file_index"})
@@ -111,18 +97,6 @@ def check_relpath(relpath: str) -> str:
     if any(part in ("", ".", "..") for part in relpath.split("/")):
         raise UnsafePath(f"path {relpath!r} is absolute or has an empty, '.' or '..' component")
     return relpath
-
-
-class MemorySource:
-    """A dataset held in memory as ``{relpath: bytes}`` (conformance cases, tests)."""
-
-    def __init__(self, files: dict[str, bytes]) -> None:
-        self.files = dict(files)
-
-    def read_bytes(self, relpath: str) -> bytes:
-        if check_relpath(relpath) not in self.files:
-            raise MalformedDataset(f"{relpath}: missing from the dataset")
-        return self.files[relpath]
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,56 +139,43 @@ class DatasetMeta:
     def data_relpath(self, episode: int) -> str:
         """Root-relative path of the data Parquet file that holds an episode's rows."""
         row = self.row(episode)
-        return _format_path(
-            self.data_path,
-            "data_path",
-            chunk_index=int(self.data_chunk[row]),
-            file_index=int(self.data_file[row]),
-        )
+        chunk, file = int(self.data_chunk[row]), int(self.data_file[row])
+        return _format_path(self.data_path, "data_path", chunk_index=chunk, file_index=file)
 
     def video_relpath(self, episode: int, camera: str) -> str:
         """Root-relative path of the MP4 file that holds an episode's frames of one camera."""
         if camera not in self.video_chunk:
             raise UsageError(f"{camera!r} is not a camera of the dataset ({self.camera_keys})")
         row = self.row(episode)
-        return _format_path(
-            self.video_path,
-            "video_path",
-            video_key=camera,
-            chunk_index=int(self.video_chunk[camera][row]),
-            file_index=int(self.video_file[camera][row]),
-        )
+        chunk, file = int(self.video_chunk[camera][row]), int(self.video_file[camera][row])
+        return _format_path(self.video_path, "video_path", video_key=camera, chunk_index=chunk,
+                            file_index=file)
 
 
 def load_meta(source: Source) -> DatasetMeta:
     """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
     info = _read_info(source)
     features = info["features"]
-    camera_keys = [key for key, feature in features.items() if feature["dtype"] == "video"]
-    columns, episodes_files = _read_episodes(source, info, camera_keys)
-    tasks = _read_tasks(source, info)
+    cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
+    columns, episodes_files = _read_episodes(source, info, cameras)
+    per_camera = {
+        field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
+        for name, field in VIDEO_COLUMNS.items()
+    }
     meta = DatasetMeta(
         fps=info["fps"],
         features=features,
-        camera_keys=camera_keys,
-        parquet_keys=[key for key in features if key not in camera_keys],
+        camera_keys=cameras,
+        parquet_keys=[key for key in features if key not in cameras],
         total_frames=info["total_frames"],
         total_episodes=info["total_episodes"],
-        episode_index=columns["episode_index"],
-        from_index=columns["dataset_from_index"],
-        to_index=columns["dataset_to_index"],
-        length=columns["length"],
-        data_chunk=columns["data/chunk_index"],
-        data_file=columns["data/file_index"],
-        video_chunk={k: columns[f"videos/{k}/chunk_index"] for k in camera_keys},
-        video_file={k: columns[f"videos/{k}/file_index"] for k in camera_keys},
-        video_from_s={k: columns[f"videos/{k}/from_timestamp"] for k in camera_keys},
-        video_to_s={k: columns[f"videos/{k}/to_timestamp"] for k in camera_keys},
-        tasks=tasks,
+        tasks=_read_tasks(source, info),
         data_path=info["data_path"],
         video_path=info["video_path"],
         episodes_files=episodes_files,
         stats=load_stats(source),
+        **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
+        **per_camera,
     )
     _check_episodes(meta)
     _check_paths(meta)
@@ -325,15 +286,10 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
         )
 
 
-def _format_path(template: str | None, name: str, **values: object) -> str:
-    if template is None:
-        raise MalformedDataset(f"{INFO_PATH}: {name} is null")
+def _format_path(template: str, name: str, **values: object) -> str:
+    """A checked template (:func:`_check_template`) filled in; UnsafePath naming it."""
     try:
-        relpath = template.format(**values)
-    except (ValueError, KeyError, IndexError) as exc:
-        raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} with {values}: {exc}") from exc
-    try:
-        return check_relpath(relpath)
+        return check_relpath(template.format(**values))
     except UnsafePath as exc:
         raise UnsafePath(f"{INFO_PATH}: {name} {template!r} gives an unsafe {exc}") from None
 
@@ -347,7 +303,7 @@ def _read_episodes(source: Source, info: dict,
     each file read with its row count."""
     wanted = list(EPISODE_COLUMNS)
     for key in camera_keys:
-        wanted += [f"videos/{key}/{column}" for column in VIDEO_COLUMNS]
+        wanted += [f"videos/{key}/{name}" for name in VIDEO_COLUMNS]
     total = info["total_episodes"]
     parts: dict[str, list[np.ndarray]] = {column: [] for column in wanted}
     files: list[tuple[str, int]] = []
@@ -484,16 +440,12 @@ def _check_paths(meta: DatasetMeta) -> None:
         _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
     for key in meta.camera_keys:
         for chunk, file in _distinct_pairs(meta.video_chunk[key], meta.video_file[key]):
-            _format_path(
-                meta.video_path, "video_path", video_key=key, chunk_index=chunk, file_index=file
-            )
+            _format_path(meta.video_path, "video_path", video_key=key, chunk_index=chunk,
+                         file_index=file)
 
 
 def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:
-    if not len(chunks):
-        return []
-    pairs = np.unique(np.stack([chunks, files], axis=1), axis=0)
-    return [(int(c), int(f)) for c, f in pairs]
+    return sorted(set(zip(chunks.tolist(), files.tolist(), strict=True)))
 
 
 # --- meta/tasks.parquet ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from requests.structures import CaseInsensitiveDict
 
 from refstream.budget import ByteBudget
 from refstream.decode import select_frames
-from refstream.errors import BudgetError, RefstreamError, UsageError
+from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import (
     Accept,
     FallBack,
@@ -37,7 +37,7 @@ from refstream.http import (
     plan_suffix_response,
 )
 from refstream.hub import hub_endpoint, parse_hf_root
-from refstream.meta import MemorySource, load_meta, select_episodes
+from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index_bytes
 from refstream.planner import Planner
 from refstream.resume import (
@@ -249,6 +249,18 @@ CASE_COLUMN_TYPES = {
     "list<string>": pa.list_(pa.string()),
     "list<float64>": pa.list_(pa.float64()),
 }
+
+
+class MemorySource:
+    """A dataset held in memory as ``{relpath: bytes}`` (a ``meta`` case's files)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = dict(files)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        if check_relpath(relpath) not in self.files:
+            raise MalformedDataset(f"{relpath}: missing from the dataset")
+        return self.files[relpath]
 
 
 def kind_meta(case: dict) -> dict:
