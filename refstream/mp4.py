@@ -6,25 +6,22 @@ Use::
     index = parse_index_bytes(data, path)                # or the whole file in memory
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
-:func:`parse_index` is :func:`locate_moov` — a few range reads over the top-level boxes that skip
-media payload (SPEC §6.2) — then :func:`parse_moov`, which reads the video track's tables into a
+:func:`parse_index` is :func:`locate_moov` (range reads over the top-level boxes that skip media
+payload, SPEC §6.2) then :func:`parse_moov`, which reads the video track's tables into a
 :class:`SampleIndex` (SPEC §6.3–6.5). :func:`walk_boxes`, :func:`box_header` and
-:func:`edit_list` serve reports that show a file's boxes.
+:func:`edit_list` also serve reports that show a file's boxes.
 
-Boxes read, and what each gives (SPEC §6.3 says how): ``ftyp`` (kept whole); ``moov/mvhd`` (the
-movie timescale); in the first ``trak`` with a ``vide`` handler, ``tkhd`` (track id), ``mdhd``
-(media timescale), ``stsd`` (codec, width, height; kept verbatim), ``stts`` and ``ctts``
-(timestamps), ``stss`` (keyframes), ``stsz`` or ``stz2`` with ``stsc`` and ``stco`` or ``co64``
-(sizes and file offsets) and ``edts/elst`` (the edit, §6.5). ``moof`` or ``mvex``: fragmented.
+Boxes read: ``ftyp`` (kept whole); ``moov/mvhd`` (movie timescale); in the first ``trak`` with a
+``vide`` handler, ``tkhd`` (track id), ``mdhd`` (timescale), ``stsd`` (codec, size; kept
+verbatim), ``stts``/``ctts`` (timestamps), ``stss`` (keyframes), ``stsz``/``stz2``, ``stsc`` and
+``stco``/``co64`` (sizes, offsets) and ``edts/elst`` (the edit). ``moof`` or ``mvex``: refused.
 
-Invariants: ``dts`` and ``pts`` equal, sample for sample, the packet timestamps of FFmpeg's mov
-demuxer (PyAV, ``ffprobe``); a file on which FFmpeg would drop, discard or re-time samples is
-refused rather than indexed differently. Memory is bounded by the box sizes: an entry count is
-checked against its box before anything is allocated. Errors say whose fault it is:
-:class:`~refstream.errors.MalformedMp4` (the file breaks the format; names the file, box, field
-and offset), :class:`~refstream.errors.UnsupportedMp4` (valid, but fragmented, an edit list of
-another shape, several sample entries …), :class:`~refstream.errors.ShortRead` (``read_range``
-returned fewer bytes than asked). No I/O of its own; only the standard library and numpy.
+Invariants: ``dts`` and ``pts`` equal FFmpeg's mov demuxer's packet timestamps; a file on which
+FFmpeg would drop, discard or re-time samples is refused rather than indexed differently. An
+entry count is checked against its box before anything is allocated. Errors name the file, box
+and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
+:class:`~refstream.errors.UnsupportedMp4` (valid, but not accepted),
+:class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
 """
 
 from __future__ import annotations
@@ -36,20 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refstream.errors import MalformedMp4, ShortRead, UnsupportedMp4
+from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
-__all__ = [
-    "Box",
-    "SampleIndex",
-    "EditList",
-    "edit_list",
-    "locate_moov",
-    "parse_index",
-    "parse_index_bytes",
-    "parse_moov",
-    "walk_boxes",
-    "box_header",
-]
+__all__ = ["Box", "SampleIndex", "EditList", "parse_index", "parse_index_bytes", "locate_moov",
+           "parse_moov", "edit_list", "walk_boxes", "box_header"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -129,8 +116,7 @@ class EditList:
 
 
 def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple[str, int, int]:
-    """(type, header size, declared size or 0) of the box whose header starts at ``data[pos]``
-    (SPEC §6.1); MalformedMp4 for a truncated or undersized header."""
+    """(type, header size, declared size or 0) of the box header at ``data[pos]`` (SPEC §6.1)."""
     where = base + pos
     if limit - pos < 8:
         raise MalformedMp4(f"{path}: truncated box header at offset {where}")
@@ -153,8 +139,8 @@ def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple
 
 
 def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[Box]:
-    """The boxes laid end to end in ``data[start:end]`` (SPEC §6.1); ``base`` is the file
-    offset of ``data[0]``. MalformedMp4 for a box that runs past ``end``."""
+    """The boxes laid end to end in ``data[start:end]``; ``base`` is the file offset of
+    ``data[0]``."""
     boxes = []
     pos = start
     while pos < end:
@@ -224,16 +210,13 @@ class _Moov:
     def child(self, parent: Box, kind: str, required: bool = True) -> Box | None:
         found = [b for b in self.children(parent) if b.type == kind]
         if not found and required:
-            raise MalformedMp4(f"{self.path}: no '{kind}' box in '{parent.type}' at offset"
-                               f" {parent.offset}")
+            raise self.bad(parent, f"no '{kind}' box inside")
         return found[0] if found else None
 
     def unpack(self, box: Box, at: int, fmt: str, field: str) -> tuple:
         """struct-unpack ``fmt`` at payload offset ``at`` of ``box``."""
-        need = struct.calcsize(fmt)
-        if box.header_size + at + need > box.size:
-            raise MalformedMp4(f"{self.path}: box '{box.type}' at offset {box.offset}: too short"
-                               f" for field {field} ({box.size} bytes)")
+        if box.header_size + at + struct.calcsize(fmt) > box.size:
+            raise self.bad(box, f"too short for field {field} ({box.size} bytes)")
         return struct.unpack_from(fmt, self.data, box.payload_offset - self.box.offset + at)
 
     def version(self, box: Box) -> int:
@@ -245,16 +228,15 @@ class _Moov:
         item = np.dtype(dtype).itemsize
         room = box.size - box.header_size - at
         if count * columns * item > room:
-            raise MalformedMp4(
-                f"{self.path}: box '{box.type}' at offset {box.offset}: {field} {count} needs"
-                f" {count * columns * item} bytes but the box holds {max(room, 0)}"
-            )
+            raise self.bad(box, f"{field} {count} needs {count * columns * item} bytes but the box"
+                           f" holds {max(room, 0)}")
         start = box.payload_offset - self.box.offset + at
         rows = np.frombuffer(self.data, dtype, count * columns, start).astype(np.int64)
         return rows.reshape(count, columns)
 
-    def bad(self, box: Box, message: str) -> MalformedMp4:
-        return MalformedMp4(f"{self.path}: box '{box.type}' at offset {box.offset}: {message}")
+    def bad(self, box: Box, message: str, error: type[Mp4Error] = MalformedMp4) -> Mp4Error:
+        """``error`` naming the file, the box and its offset."""
+        return error(f"{self.path}: box '{box.type}' at offset {box.offset}: {message}")
 
 
 def _video_track(m: _Moov) -> Box:
@@ -278,8 +260,7 @@ def _sample_entry(m: _Moov, stsd: Box) -> tuple[str, int, int]:
     """(fourcc, width, height) of the only sample entry of ``stsd``."""
     (count,) = m.unpack(stsd, 4, ">I", "entry_count")
     if count != 1:
-        raise UnsupportedMp4(f"{m.path}: 'stsd' at offset {stsd.offset} has {count} sample"
-                             " entries (exactly one is supported)")
+        raise m.bad(stsd, f"{count} sample entries (exactly one is supported)", UnsupportedMp4)
     entry_size, fourcc = m.unpack(stsd, 8, ">I4s", "sample entry header")
     # VisualSampleEntry: 8-byte box header, 6 reserved, data_reference_index, 16 bytes of
     # pre_defined/reserved, then width and height (ISO/IEC 14496-12 §12.1.3).
@@ -289,17 +270,19 @@ def _sample_entry(m: _Moov, stsd: Box) -> tuple[str, int, int]:
     return fourcc.decode("latin-1"), width, height
 
 
-def _runs(m: _Moov, box: Box, signed: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(counts, values) of a run-length table: stts (u32, u32) or ctts (u32, s32)."""
+def _runs(m: _Moov, box: Box, n: int, signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, values) of an stts (u32, u32) or ctts (u32, s32) table of ``n`` samples."""
     (count,) = m.unpack(box, 4, ">I", "entry_count")
     rows = m.table(box, 8, count, ">u4", 2, "entry_count")
+    if int(rows[:, 0].sum()) != n:
+        raise m.bad(box, f"describes {int(rows[:, 0].sum())} samples, stsz has {n}")
     values = rows[:, 1]
     if signed:
         values = values.astype(np.uint32).view(np.int32).astype(np.int64)
     return rows[:, 0], values
 
 
-def _sizes(m: _Moov, stbl: Box, file_size: int) -> tuple[np.ndarray, Box]:
+def _sizes(m: _Moov, stbl: Box, file_size: int) -> np.ndarray:
     stsz = m.child(stbl, "stsz", required=False)
     if stsz is not None:
         constant, count = m.unpack(stsz, 4, ">II", "sample_size/sample_count")
@@ -307,19 +290,18 @@ def _sizes(m: _Moov, stbl: Box, file_size: int) -> tuple[np.ndarray, Box]:
             if count * constant > file_size:
                 raise m.bad(stsz, f"sample_count {count} × sample_size {constant} exceeds the"
                             f" file size {file_size}")
-            return np.full(count, constant, dtype=np.int64), stsz
-        return m.table(stsz, 12, count, ">u4", 1, "sample_count")[:, 0], stsz
+            return np.full(count, constant, dtype=np.int64)
+        return m.table(stsz, 12, count, ">u4", 1, "sample_count")[:, 0]
     stz2 = m.child(stbl, "stz2", required=False)
     if stz2 is None:
-        raise MalformedMp4(f"{m.path}: no 'stsz' or 'stz2' box in 'stbl' at offset"
-                           f" {stbl.offset}")
+        raise m.bad(stbl, "no 'stsz' or 'stz2' box inside")
     field_size, count = m.unpack(stz2, 7, ">BI", "field_size/sample_count")
     if field_size == 4:
         packed = m.table(stz2, 12, (count + 1) // 2, ">u1", 1, "sample_count")[:, 0]
         nibbles = np.stack([packed >> 4, packed & 0xF], axis=1).reshape(-1)
-        return nibbles[:count], stz2
+        return nibbles[:count]
     if field_size in (8, 16):
-        return m.table(stz2, 12, count, f">u{field_size // 8}", 1, "sample_count")[:, 0], stz2
+        return m.table(stz2, 12, count, f">u{field_size // 8}", 1, "sample_count")[:, 0]
     raise m.bad(stz2, f"field_size {field_size} is not 4, 8 or 16")
 
 
@@ -327,8 +309,7 @@ def _offsets(m: _Moov, stbl: Box, sizes: np.ndarray) -> np.ndarray:
     stco = m.child(stbl, "stco", required=False)
     co64 = m.child(stbl, "co64", required=False)
     if (stco is None) == (co64 is None):
-        raise MalformedMp4(f"{m.path}: 'stbl' at offset {stbl.offset} needs exactly one of"
-                           " 'stco' and 'co64'")
+        raise m.bad(stbl, "needs exactly one of 'stco' and 'co64'")
     chunk_box = stco or co64
     (chunk_count,) = m.unpack(chunk_box, 4, ">I", "entry_count")
     width = ">u4" if stco is not None else ">u8"
@@ -369,7 +350,7 @@ def _keyframes(m: _Moov, stbl: Box, n: int) -> np.ndarray:
         return np.ones(n, dtype=bool)
     (count,) = m.unpack(stss, 4, ">I", "entry_count")
     if count == 0:  # FFmpeg then guesses keyframes by parsing; refstream does not
-        raise UnsupportedMp4(f"{m.path}: 'stss' at offset {stss.offset} lists no sync sample")
+        raise m.bad(stss, "no sync sample listed", UnsupportedMp4)
     numbers = m.table(stss, 8, count, ">u4", 1, "entry_count")[:, 0]
     if numbers[0] < 1 or numbers[-1] > n or np.any(np.diff(numbers) <= 0):
         raise m.bad(stss, f"sync sample numbers must increase within 1..{n}")
@@ -385,14 +366,14 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
         return None
     version = m.version(elst)
     if version not in (0, 1):
-        raise UnsupportedMp4(f"{m.path}: 'elst' at offset {elst.offset} has version {version}")
+        raise m.bad(elst, f"version {version} (0 and 1 are defined)", UnsupportedMp4)
     (count,) = m.unpack(elst, 4, ">I", "entry_count")
     if count == 0:
         return None
     fmt = ">Qq" if version == 1 else ">Ii"
     step = 20 if version == 1 else 12
     if count > 2:
-        raise UnsupportedMp4(f"{m.path}: 'elst' at offset {elst.offset} has {count} entries")
+        raise m.bad(elst, f"{count} entries (at most an empty and a media edit)", UnsupportedMp4)
     entries = []
     for i in range(count):
         duration, media_time = m.unpack(elst, 8 + i * step, fmt, f"entry {i}")
@@ -403,11 +384,9 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
         or (count == 2 and entries[0][1] == -1 and entries[1][1] >= 0)
     )
     if not shape_ok:
-        raise UnsupportedMp4(
-            f"{m.path}: edit list at offset {elst.offset} is {[e[:2] for e in entries]} with"
-            f" rates {[e[2] for e in entries]}; only one rate-1 media edit, optionally after"
-            " one empty edit, is supported"
-        )
+        raise m.bad(elst, f"edit list {[e[:2] for e in entries]} with rates"
+                    f" {[e[2] for e in entries]}; only one rate-1 media edit, optionally after"
+                    " one empty edit, is supported", UnsupportedMp4)
     empty = entries[0][0] if count == 2 else 0
     return EditList(empty, entries[-1][0], entries[-1][1])
 
@@ -421,9 +400,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
                 movie_timescale: int, keyframe: np.ndarray):
     """(dts, pts, duration) int64 arrays in the media timescale (SPEC §6.4–6.5)."""
     stts = m.child(stbl, "stts")
-    counts, deltas = _runs(m, stts, signed=False)
-    if int(counts.sum()) != n:
-        raise m.bad(stts, f"describes {int(counts.sum())} samples, stsz has {n}")
+    counts, deltas = _runs(m, stts, n, signed=False)
     duration = np.repeat(deltas, counts)
     decode = np.cumsum(duration) - duration
 
@@ -431,16 +408,13 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
     offset = np.zeros(n, dtype=np.int64)
     shift = 0
     if ctts is not None:
-        counts, values = _runs(m, ctts, signed=True)  # v0 too
-        if int(counts.sum()) != n:
-            raise m.bad(ctts, f"describes {int(counts.sum())} samples, stsz has {n}")
+        counts, values = _runs(m, ctts, n, signed=True)  # signed in version 0 too
         if np.any(counts == 0):
-            raise UnsupportedMp4(f"{m.path}: 'ctts' at offset {ctts.offset} has an entry with"
-                                 " sample_count 0")
+            raise m.bad(ctts, "an entry has sample_count 0", UnsupportedMp4)
         head = values[:-2]  # FFmpeg ignores the last two entries for these two rules
         if np.any(np.abs(head) > CTTS_LIMIT):
-            raise UnsupportedMp4(f"{m.path}: 'ctts' at offset {ctts.offset} has an offset beyond"
-                                 " 2^28 ticks (FFmpeg discards such a table)")
+            raise m.bad(ctts, "an offset beyond 2^28 ticks (FFmpeg discards such a table)",
+                        UnsupportedMp4)
         shift = max(0, int(-head.min())) if len(head) else 0
         offset = np.repeat(values, counts)
     presentation = decode + offset
@@ -458,8 +432,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
 
 
 def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, has_ctts) -> None:
-    """UnsupportedMp4 for an edit under which FFmpeg would drop, discard or re-time samples
-    (SPEC §6.5 rules 1–3)."""
+    """UnsupportedMp4 unless the edit keeps every sample (SPEC §6.5 rules 1–3)."""
     where = f"{m.path}: the edit list (media_time {start}, duration {length} media ticks)"
     outside = (presentation < start) | (presentation >= start + length)
     if np.any(outside):
@@ -481,12 +454,10 @@ def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, ha
 
 def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
                path: str) -> SampleIndex:
-    """The :class:`SampleIndex` of the first video track described by a complete moov box
-    (SPEC §6.3–6.5)."""
+    """The :class:`SampleIndex` of the video track of a complete moov box (SPEC §6.3–6.5)."""
     m = _Moov(moov_bytes, moov, path)
     if m.child(moov, "mvex", required=False) is not None:
-        raise UnsupportedMp4(f"{path}: fragmented MP4 ('mvex' in 'moov' at offset"
-                             f" {moov.offset})")
+        raise m.bad(moov, "fragmented MP4 ('mvex' inside)", UnsupportedMp4)
     movie_timescale = _timescale(m, m.child(moov, "mvhd"))
     trak = _video_track(m)
     tkhd = m.child(trak, "tkhd")
@@ -497,7 +468,7 @@ def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
     stsd = m.child(stbl, "stsd")
     codec, width, height = _sample_entry(m, stsd)
 
-    size, size_box = _sizes(m, stbl, file_size)
+    size = _sizes(m, stbl, file_size)
     n = len(size)
     if n == 0:
         raise UnsupportedMp4(f"{path}: the video track has no samples")
@@ -520,8 +491,7 @@ def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
 
 
 def parse_index(read_range: ReadRange, file_size: int, path: str) -> SampleIndex:
-    """The :class:`SampleIndex` of the file's first video track; reads only the top-level box
-    headers, ``ftyp`` and ``moov``."""
+    """The :class:`SampleIndex` of the file's first video track."""
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     return parse_moov(moov_bytes, moov, file_size, ftyp, path)
 
