@@ -1,9 +1,7 @@
 """The portable, counter-based random numbers every refstream order is made of (SPEC §1).
 
-Every random choice (admission order, frame order, pool draws, round-robin rounds) is a pure
-function of a *key* and an *index*, built on SplitMix64 (Steele, Lea & Flood 2014; the generator
-of Java's ``SplittableRandom``), so an implementation in any language reproduces the same
-stream; numpy's generators are never used. Use::
+Every random choice is a pure function of a key and an index, built on SplitMix64 so that any
+language reproduces it; numpy's generators are never used. Use::
 
     seed = resolve_seed(user_seed)                  # DEFAULT_SEED when the user gives None
     key = derive_key(seed, epoch, "admit")          # labels are ints and strs
@@ -11,11 +9,9 @@ stream; numpy's generators are never used. Use::
     u64(key, i), below(n, key, i)                   # word i of the key's stream; a number < n
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
-Invariants: every function is pure; an id's place in a permutation depends only on the key and
-the set of ids, never on the order they were given in; the numpy forms (``u64_array``,
-``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴ like the definition, and equal the
-plain-integer forms (``u64``, ``permutation_list``). The keys the planner derives are SPEC §1.2's
-table. A seed, label or id outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
+The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
+like the definition, and equal the plain-integer forms (``u64``, ``permutation_list``). A seed,
+label, ``n`` or id outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -26,20 +22,8 @@ import numpy as np
 
 from refstream.errors import UsageError
 
-__all__ = [
-    "DEFAULT_SEED",
-    "GOLDEN_GAMMA",
-    "resolve_seed",
-    "mix64",
-    "label_words",
-    "derive_key",
-    "extend_key",
-    "u64",
-    "u64_array",
-    "below",
-    "permutation",
-    "permutation_list",
-]
+__all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array",
+           "below", "permutation", "permutation_list"]
 
 MASK64 = (1 << 64) - 1
 # The seed when the user gives none (LeRobot's DEFAULT_STREAMING_SEED).
@@ -63,8 +47,7 @@ def mix64(z: int) -> int:
 
 
 def label_words(label: int | str) -> list[int]:
-    """A label's 64-bit words (SPEC §1.2); UsageError for anything but an int in
-    ``[−2⁶³, 2⁶⁴)`` or a str."""
+    """A label's 64-bit words (SPEC §1.2); UsageError outside the label domain."""
     if isinstance(label, bool) or not isinstance(label, int | str):
         raise UsageError(f"an RNG label is an int or a str, not {type(label).__name__}")
     if isinstance(label, int):
@@ -79,8 +62,7 @@ def label_words(label: int | str) -> list[int]:
 
 
 def resolve_seed(seed: int | None) -> int:
-    """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2); UsageError unless an
-    integer in ``[0, 2⁶⁴)``."""
+    """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2)."""
     return DEFAULT_SEED if seed is None else _checked_seed(seed)
 
 
@@ -118,16 +100,14 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 
 def below(n: int, key: int, i: int) -> int:
-    """A number in ``[0, n)`` from word ``i`` of ``key``: Lemire's multiply-shift without
-    rejection, for an integer ``1 ≤ n ≤ 2**64`` (else :class:`UsageError`; SPEC §1.3)."""
+    """A number in ``[0, n)`` from word ``i`` of ``key`` (SPEC §1.3)."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MASK64 + 1:
         raise UsageError(f"below(n) needs an integer n in [1, 2**64], got {n!r}")
     return (u64(key, i) * n) >> 64
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``ids`` (distinct, non-negative) in the keyed order of SPEC §1.3, as ``int64``;
-    UsageError for a negative id."""
+    """``ids`` (distinct, non-negative) in the keyed order of SPEC §1.3, as ``int64``."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size and ids.min() < 0:
         raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")

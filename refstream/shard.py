@@ -6,15 +6,10 @@ Use::
     parts = worker_shares(share, share_frames, num_workers)     # part w: logical worker w's
     limits = split_limits(num_workers, pool_size=…, byte_budget=…, decoder_cache=…, cameras=…)
 
-Both shares are parts of :func:`lpt_partition`, longest processing time first (SPEC §2.1);
-:func:`split_limits` turns the per-rank settings into one worker's :class:`WorkerLimits` (SPEC
-§2.3). :func:`episode_ids` and :func:`check_episodes` are the one check of episode ids (and their
-frame counts) that selection, sharding and the planner all call.
-
-Invariants: every episode with frames lies in exactly one part, a zero-frame episode in none; the
-frame totals of two parts differ by at most the longest episode; a part lists its episodes in
-sharding order, which carries no meaning (planners reorder them by key). A rank or worker left
-without episodes is :class:`~refstream.errors.ShardingError` saying what to use instead (§2.2).
+Both shares are parts of :func:`lpt_partition` (SPEC §2.1); :func:`split_limits` gives one
+worker's :class:`WorkerLimits` (SPEC §2.3). :func:`episode_ids` and :func:`check_episodes` are the
+one check of episode ids (and frame counts) that selection, sharding and the planner all call.
+A part lists its episodes in sharding order, which carries no meaning (planners reorder them).
 """
 
 from __future__ import annotations
@@ -27,16 +22,8 @@ from numbers import Integral
 
 from refstream.errors import ShardingError, UsageError
 
-__all__ = [
-    "DEFAULT_RANK_POOL_SIZE",
-    "WorkerLimits",
-    "episode_ids",
-    "check_episodes",
-    "lpt_partition",
-    "rank_share",
-    "worker_shares",
-    "split_limits",
-]
+__all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_share",
+           "worker_shares", "split_limits"]
 
 # Episodes resident per rank when the user sets no pool size (LeRobot's streaming default).
 DEFAULT_RANK_POOL_SIZE = 32
@@ -52,8 +39,7 @@ class WorkerLimits:
 
 
 def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> list[int]:
-    """``ids`` as a list of ints (SPEC §2.1, §3.1, §4.5); ``error`` names the non-integers, else
-    the duplicates, else the negative ids."""
+    """``ids`` as a list of ints (SPEC §2.1, §4.5); ``error`` names the first rule broken."""
     ids = list(ids)
     bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, Integral)]
     if bad:
@@ -68,8 +54,7 @@ def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> 
 
 
 def check_episodes(ids: Sequence[object], frames: Sequence[int]) -> list[int]:
-    """:func:`episode_ids` of ``ids``, each with one frame count ``≥ 0`` in ``frames``;
-    UsageError otherwise."""
+    """:func:`episode_ids` of ``ids``, each with one frame count ``≥ 0`` in ``frames``."""
     if len(ids) != len(frames):
         raise UsageError(f"{len(ids)} episode ids but {len(frames)} frame counts")
     ids = episode_ids(ids)
@@ -80,10 +65,10 @@ def check_episodes(ids: Sequence[object], frames: Sequence[int]) -> list[int]:
 
 
 def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list[list[int]]:
-    """``parts`` lists of episode ids, the LPT partition of SPEC §2.1; UsageError for bad
-    arguments."""
+    """``parts`` lists of episode ids, the LPT partition of SPEC §2.1."""
     if parts < 1:
-        raise UsageError(f"cannot partition into {parts} parts")
+        raise UsageError(f"cannot split episodes into {parts} parts (world_size and num_workers "
+                         "must be at least 1)")
     ids = check_episodes(ids, frames)
     shards: list[list[int]] = [[] for _ in range(parts)]
     # The heap's smallest (load, part) is the least-loaded part, ties to the lowest index.
@@ -96,9 +81,8 @@ def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list
 
 
 def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size: int) -> list[int]:
-    """The episodes rank ``rank`` of ``world_size`` streams (SPEC §2.2); ShardingError when it
-    would own none."""
-    if world_size < 1 or not 0 <= rank < world_size:
+    """The episodes rank ``rank`` of ``world_size`` streams (SPEC §2.2)."""
+    if not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is not in a world of size {world_size}")
     share = lpt_partition(ids, frames, world_size)[rank]
     if not share:
@@ -111,10 +95,7 @@ def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size:
 
 
 def worker_shares(ids: Sequence[int], frames: Sequence[int], num_workers: int) -> list[list[int]]:
-    """A rank's episodes split over ``num_workers`` DataLoader workers (SPEC §2.2);
-    ShardingError when one would own none."""
-    if num_workers < 1:
-        raise UsageError(f"num_workers must be at least 1 for sharding, got {num_workers}")
+    """A rank's episodes split over ``num_workers`` DataLoader workers (SPEC §2.2)."""
     shares = lpt_partition(ids, frames, num_workers)
     with_frames = sum(len(share) for share in shares)
     if with_frames < num_workers:
@@ -134,31 +115,20 @@ def split_limits(
     decoder_cache: int | None,
     cameras: int,
 ) -> WorkerLimits:
-    """One worker's limits from the per-rank settings (SPEC §2.3; ``pool_size`` alone is
-    already per worker); UsageError for settings that cannot be split."""
-    if num_workers < 1:
-        raise UsageError(f"num_workers must be at least 1, got {num_workers}")
-    if cameras < 0:
-        raise UsageError(f"cameras must be non-negative, got {cameras}")
+    """One worker's limits from the per-rank settings (SPEC §2.3)."""
+    # (setting, value, least value); byte_budget needs a byte for each worker.
+    settings = (("num_workers", num_workers, 1), ("cameras", cameras, 0),
+                ("pool_size", pool_size, 1), ("decoder_cache", decoder_cache, 1),
+                ("byte_budget (bytes per rank)", byte_budget, num_workers))
+    for name, value, least in settings:
+        if value is not None and value < least:
+            raise UsageError(f"{name} must be at least {least}, got {value}")
     if pool_size is None:
         # round(32 / N) in integers, halves up (SPEC §2.3 says why that equals LeRobot's).
-        pool = max(1, (2 * DEFAULT_RANK_POOL_SIZE + num_workers) // (2 * num_workers))
-    elif pool_size < 1:
-        raise UsageError(f"pool_size must be at least 1, got {pool_size}")
-    else:
-        pool = pool_size
-    budget = None
-    if byte_budget is not None:
-        if byte_budget < num_workers:
-            raise UsageError(
-                f"a byte budget of {byte_budget} bytes per rank cannot be split over "
-                f"{num_workers} workers (each needs at least 1 byte)"
-            )
-        budget = byte_budget // num_workers
+        pool_size = max(1, (2 * DEFAULT_RANK_POOL_SIZE + num_workers) // (2 * num_workers))
+    budget = None if byte_budget is None else byte_budget // num_workers
     if decoder_cache is None:
-        decoders = max(1, pool * cameras)
-    elif decoder_cache < 1:
-        raise UsageError(f"decoder_cache must be at least 1, got {decoder_cache}")
+        decoders = max(1, pool_size * cameras)
     else:
         decoders = max(1, decoder_cache // num_workers)
-    return WorkerLimits(pool_size=pool, byte_budget=budget, decoder_cache=decoders)
+    return WorkerLimits(pool_size=pool_size, byte_budget=budget, decoder_cache=decoders)

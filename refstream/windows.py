@@ -7,19 +7,16 @@ Use::
     rows, is_pad = window_rows(windows.offsets["action"], frame=28, length=30)
     # rows == [28, 29, 29], is_pad == [False, False, True]
 
-:func:`make_windows` validates every delta and turns it into a row offset (SPEC §5.1);
-:func:`window_rows` places the offsets around one anchor of an episode, repeating the boundary
-row and marking it as padding (SPEC §5.2). Rows are episode-local, which equals LeRobot's
-map-style rule on absolute indices because episodes are read whole. A bad ``delta_timestamps`` is
-:class:`~refstream.errors.UsageError` naming the key and the value, raised before any anchor is
-looked at. I/O-free; only the standard library and numpy.
+:func:`make_windows` validates every delta before any anchor is looked at (SPEC §5.1);
+:func:`window_rows` places the offsets around one anchor (SPEC §5.2). Rows are episode-local.
+A bad ``delta_timestamps`` is :class:`~refstream.errors.UsageError` naming the key and the value.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,10 +27,9 @@ __all__ = ["Windows", "make_windows", "window_rows"]
 
 @dataclass(frozen=True, eq=False)
 class Windows:
-    """Each windowed key's row offsets from the anchor (int64, in the order given); a key
-    without a window is absent."""
+    """Each windowed key's row offsets from the anchor (int64, in the order given)."""
 
-    offsets: dict[str, np.ndarray] = field(default_factory=dict)
+    offsets: dict[str, np.ndarray]
 
 
 def make_windows(
@@ -43,8 +39,7 @@ def make_windows(
     *,
     feature_keys: Collection[str] | None = None,
 ) -> Windows:
-    """The row offsets of ``delta_timestamps`` (seconds per key; None: no windows), after the
-    checks of SPEC §5.1 (UsageError); ``feature_keys``, when given, are the keys allowed."""
+    """The row offsets of ``delta_timestamps`` (None: no windows) after SPEC §5.1's checks."""
     if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
         raise UsageError(f"fps must be a positive integer, got {fps!r}")
     if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
@@ -70,8 +65,7 @@ def make_windows(
 
 
 def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Episode-local rows (int64) and the pad mask (bool) of anchor ``frame`` of an episode of
-    ``length`` frames (SPEC §5.2); UsageError for an anchor outside the episode."""
+    """Episode-local rows (int64) and pad mask (bool) of one anchor ``frame`` (SPEC §5.2)."""
     if not 0 <= frame < length:
         raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
     target = frame + np.asarray(offsets, dtype=np.int64)
@@ -79,7 +73,7 @@ def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarra
 
 
 def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
-    """The row offset of one delta after its tolerance test (SPEC §5.1 items 4–5)."""
+    """The row offset of one delta (SPEC §5.1 items 4–5)."""
     if isinstance(delta_s, bool) or not _is_number(delta_s):
         raise UsageError(f"delta_timestamps[{key!r}] holds {delta_s!r}, not a finite number")
     ticks = float(delta_s) * fps  # IEEE double product, as LeRobot computes it
