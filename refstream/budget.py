@@ -1,6 +1,5 @@
 """The byte budget: a thread-safe table of whole-episode reservations (SPEC §8.6, §9.3).
 
-An episode is reserved whole, at its exact synthesized size, before any of its bytes is fetched.
 The table counts bytes and never holds payloads: the caller keeps them and drops the payloads of
 every episode the table evicts. The calls of one worker, in the order it makes them::
 
@@ -15,11 +14,10 @@ every episode the table evicts. The calls of one worker, in the order it makes t
     budget.take_evicted()                # evicted since the last call: drop their payloads
     budget.close()                       # every waiter wakes with BudgetClosed
 
-The state machine is SPEC §8.6 and lives in this module only. Invariants: ``resident ≤ reserved ≤
-budget_bytes`` at every instant; a reservation that is leased or whose fetch is in flight is never
-evicted, and nothing is evicted unless that makes the new episode fit. ``acquire`` is the only
-call that blocks: it waits on a condition woken by every change that can free room. After
-``close()`` releasing calls do nothing, so cleanup paths never raise. No I/O.
+The state machine is SPEC §8.6 and lives here only; ``resident ≤ reserved ≤ budget_bytes`` holds
+at every instant. ``acquire`` is the only call that blocks: it waits on a condition woken by
+every change that can free room. After ``close()`` releasing calls do nothing, so cleanup paths
+never raise.
 """
 
 from __future__ import annotations
@@ -49,21 +47,15 @@ class BudgetSnapshot:
     evictions: int  # episodes evicted since construction
 
 
+@dataclass(slots=True)
 class _Reservation:
     """One reserved episode (mutable; only touched under the table's lock)."""
 
-    __slots__ = ("size_bytes", "resident_bytes", "leases", "claimed", "fetched")
-
-    def __init__(self, size_bytes: int) -> None:
-        self.size_bytes = size_bytes
-        self.resident_bytes = 0
-        self.leases = 0
-        self.claimed = False  # a caller took the fetch (claim_fetch returned True)
-        self.fetched = False  # mark_fetched was called: no more bytes will arrive
-
-    @property
-    def evictable(self) -> bool:
-        return self.leases == 0 and self.fetched
+    size_bytes: int
+    resident_bytes: int = 0
+    leases: int = 0
+    claimed: bool = False  # a caller took the fetch (claim_fetch returned True)
+    fetched: bool = False  # mark_fetched was called: no more bytes will arrive
 
 
 class ByteBudget:
@@ -76,7 +68,6 @@ class ByteBudget:
         self._cond = threading.Condition(threading.Lock())
         self._table: OrderedDict[int, _Reservation] = OrderedDict()  # LRU first
         self._reserved_bytes = 0
-        self._resident_bytes = 0
         self._peak_reserved_bytes = 0
         self._evicted: list[int] = []
         self._evictions = 0
@@ -96,7 +87,7 @@ class ByteBudget:
             return BudgetSnapshot(
                 budget_bytes=self.budget_bytes,
                 reserved_bytes=self._reserved_bytes,
-                resident_bytes=self._resident_bytes,
+                resident_bytes=sum(r.resident_bytes for r in self._table.values()),
                 peak_reserved_bytes=self._peak_reserved_bytes,
                 leases=sum(r.leases for r in self._table.values()),
                 evictions=self._evictions,
@@ -115,13 +106,13 @@ class ByteBudget:
     # --- reserving ------------------------------------------------------------------------
 
     def try_reserve(self, episode: int, size_bytes: int) -> bool:
-        """Reserve ``episode`` without waiting (SPEC §8.6 reserve); False when it does not fit."""
+        """Reserve ``episode`` without waiting; False when it does not fit."""
         with self._cond:
             return self._reserve_locked(episode, size_bytes)
 
     def acquire(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
-        """Reserve, waiting until it fits, and take one lease, atomically (SPEC §8.6); False only
-        when ``timeout_s`` runs out."""
+        """Reserve, waiting until it fits, and take one lease, atomically; False only when
+        ``timeout_s`` runs out."""
         with self._cond:
             if not self._wait_reserve_locked(episode, size_bytes, timeout_s):
                 return False
@@ -192,7 +183,6 @@ class ByteBudget:
                     f"{entry.size_bytes} bytes"
                 )
             entry.resident_bytes += nbytes
-            self._resident_bytes += nbytes
             return True
 
     def mark_fetched(self, episode: int) -> bool:
@@ -262,7 +252,7 @@ class ByteBudget:
         for episode, entry in self._table.items():
             if freed >= shortfall:
                 break
-            if entry.evictable:
+            if entry.leases == 0 and entry.fetched:
                 victims.append(episode)
                 freed += entry.size_bytes
         return victims if freed >= shortfall else None
@@ -270,4 +260,3 @@ class ByteBudget:
     def _drop_locked(self, episode: int) -> None:
         entry = self._table.pop(episode)
         self._reserved_bytes -= entry.size_bytes
-        self._resident_bytes -= entry.resident_bytes
