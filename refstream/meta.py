@@ -88,8 +88,7 @@ class Source(Protocol):
 
 
 def check_relpath(relpath: str) -> str:
-    """``relpath`` if it is a safe root-relative path by the lexical rule of SPEC §4.1, else
-    UnsafePath."""
+    """``relpath`` if the lexical rule of SPEC §4.1 finds it safe, else UnsafePath."""
     if not isinstance(relpath, str) or not relpath:
         raise UnsafePath(f"path {relpath!r} is empty or not a string")
     if any(ch in relpath for ch in "\\:\x00"):
@@ -183,8 +182,7 @@ def load_meta(source: Source) -> DatasetMeta:
 
 
 def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[int]:
-    """The selected episode ids in ascending order, ``None`` selecting every episode (SPEC
-    §4.5); EpisodeSelectionError naming the ids that break the rule."""
+    """The selected episode ids in ascending order; None selects every episode (SPEC §4.5)."""
     if episodes is None:
         return [int(e) for e in meta.episode_index]
     ids = episode_ids(episodes, EpisodeSelectionError)
@@ -299,8 +297,7 @@ def _format_path(template: str, name: str, **values: object) -> str:
 
 def _read_episodes(source: Source, info: dict,
                    camera_keys: list[str]) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
-    """The projected episode columns of every episodes file concatenated in file order, and
-    each file read with its row count."""
+    """The episode columns of every episodes file, concatenated, and each file's row count."""
     wanted = list(EPISODE_COLUMNS)
     for key in camera_keys:
         wanted += [f"videos/{key}/{name}" for name in VIDEO_COLUMNS]
@@ -328,8 +325,7 @@ def _read_episodes(source: Source, info: dict,
 
 
 def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
-    """The (chunk, file) after ``(chunk, file)``: LeRobot's ``update_chunk_file_indices``
-    rollover, ``chunks_size`` files per chunk."""
+    """The (chunk, file) after ``(chunk, file)``: LeRobot's rollover (SPEC §4.3)."""
     return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
 
 
@@ -374,16 +370,14 @@ def column_array(column: pa.ChunkedArray, where: str, name: str,
     return values.reshape(shape)
 
 
-def index_column(table: pa.Table, name: str, where: str,
-                 error: type[DatasetError] = MalformedDataset) -> np.ndarray:
-    """An integer column (indices, counts) as int64, or a floating ``*timestamp`` column
-    (seconds) as float64; any other type is ``error`` too."""
+def index_column(table: pa.Table, name: str, where: str) -> np.ndarray:
+    """An integer column as int64, or a ``*timestamp`` column as float64 seconds (SPEC §4.3)."""
     seconds = name.endswith("timestamp")
     kind = table[name].type
     if not (pa.types.is_integer(kind) or seconds and pa.types.is_floating(kind)):
-        raise error(f"{where}: column {name!r} has type {kind}")
-    return column_array(table[name], where, name, error).astype(
-        np.float64 if seconds else np.int64)
+        raise MalformedDataset(f"{where}: column {name!r} has type {kind}")
+    values = column_array(table[name], where, name, MalformedDataset)
+    return values.astype(np.float64 if seconds else np.int64)
 
 
 def _check_episodes(meta: DatasetMeta) -> None:
@@ -434,8 +428,7 @@ def _check_episodes(meta: DatasetMeta) -> None:
 
 
 def _check_paths(meta: DatasetMeta) -> None:
-    """Format every distinct (chunk, file) pair once, so a bad template fails at load time
-    (SPEC §4.3 check 6)."""
+    """Format every distinct (chunk, file) pair once (SPEC §4.3 check 6)."""
     for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
         _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
     for key in meta.camera_keys:
