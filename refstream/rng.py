@@ -38,9 +38,9 @@ TAG_INT = 1
 TAG_STR = 2
 
 
-def mix64(z: int) -> int:
-    """SplitMix64's finaliser of ``z`` modulo 2⁶⁴ (SPEC §1.1)."""
-    z &= MASK64
+def mix64(z: int | np.ndarray) -> int | np.ndarray:
+    """SplitMix64's finaliser of ``z`` modulo 2⁶⁴ (SPEC §1.1): of an int, or of a uint64 array."""
+    z = z & MASK64
     z = ((z ^ (z >> 30)) * _MIX_MUL_1) & MASK64
     z = ((z ^ (z >> 27)) * _MIX_MUL_2) & MASK64
     return z ^ (z >> 31)
@@ -81,22 +81,19 @@ def extend_key(key: int, *labels: int | str) -> int:
     """Fold more labels into a key: ``derive_key(s, a, b) == extend_key(derive_key(s, a), b)``."""
     for label in labels:
         for word in label_words(label):
-            key = mix64(((key ^ word) + GOLDEN_GAMMA) & MASK64)
+            key = mix64((key ^ word) + GOLDEN_GAMMA)
     return key
 
 
 def u64(key: int, i: int) -> int:
     """Word ``i`` (``i ≥ 0``) of the stream of ``key`` (SPEC §1.3)."""
-    return mix64((key + (i + 1) * GOLDEN_GAMMA) & MASK64)
+    return mix64(key + (i + 1) * GOLDEN_GAMMA)
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
     """``u64(key, i)`` for every ``i`` of a non-negative integer array; returns ``uint64``."""
-    z = np.asarray(indices).astype(np.uint64) + np.uint64(1)
-    z = z * np.uint64(GOLDEN_GAMMA) + np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX_MUL_1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX_MUL_2)
-    return z ^ (z >> np.uint64(31))
+    i = np.asarray(indices).astype(np.uint64)
+    return mix64(np.uint64(key) + (i + np.uint64(1)) * np.uint64(GOLDEN_GAMMA))
 
 
 def below(n: int, key: int, i: int) -> int:
