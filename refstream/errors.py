@@ -1,63 +1,17 @@
-"""Every exception refstream raises, in one place.
+"""Every exception refstream raises, in one place: SPEC §12 lists them, each one's parent (whose
+fault it is) and the conformance kinds that may expect it.
 
-All of them derive from :class:`RefstreamError`. The hierarchy says whose fault it is:
-
-* :class:`UsageError` — the caller asked for something impossible (bad arguments, a topology
-  that cannot be served, a checkpoint of another seed or selection).
-* :class:`DatasetError` — the dataset's metadata or tables are wrong or unsupported.
-* :class:`Mp4Error` — a video file is malformed, or valid but outside what refstream supports.
-* :class:`FetchError` — reading bytes from a source failed or returned something inconsistent.
-* :class:`BudgetError` — the byte budget cannot hold what was asked, or was closed.
-* :class:`SidecarError` — the persistent MP4 index could not be built, locked or read.
-* :class:`DecodeError` — a frame could not be decoded or matched to a requested time.
-
-Lower-layer exceptions (``OSError``, ``requests``, ``av``, ``pyarrow``) are translated into these
-at the edge where they happen, with ``raise … from exc`` so the cause is kept. Messages name the
-file, episode, field, box or byte range involved.
-
-Classes that correspond to a builtin category also derive from it (``ValueError``,
-``TimeoutError``, ``OSError``) so generic handlers keep working.
-
-An error raised inside a DataLoader worker reaches the training process as the same class (the
-DataLoader re-raises it there); its message is then the worker's message, and the worker's
-traceback is kept apart in ``worker_traceback``.
+A class that matches a builtin category also derives from it (``ValueError``, ``TimeoutError``,
+``OSError``), so generic handlers keep working. The edges translate lower-layer exceptions
+(``OSError``, ``requests``, ``av``, ``pyarrow``) into these with ``raise … from exc``; messages
+name the file, episode, field, box or byte range involved. An error raised in a DataLoader worker
+reaches the training process as the same class, with the worker's message as its message and the
+worker's traceback kept apart in ``worker_traceback``.
 """
 
 from __future__ import annotations
 
 import re
-
-__all__ = [
-    "RefstreamError",
-    "UsageError",
-    "EpisodeSelectionError",
-    "ShardingError",
-    "ResumeError",
-    "TopologyChanged",
-    "DatasetError",
-    "UnsupportedDataset",
-    "MalformedDataset",
-    "UnsafePath",
-    "TableError",
-    "Mp4Error",
-    "MalformedMp4",
-    "UnsupportedMp4",
-    "FetchError",
-    "HTTPStatusError",
-    "BadRangeResponse",
-    "ShortRead",
-    "PayloadChanged",
-    "RetriesExhausted",
-    "BudgetError",
-    "EpisodeTooLarge",
-    "BudgetClosed",
-    "SidecarError",
-    "SidecarLockTimeout",
-    "SidecarInvalid",
-    "DecodeError",
-    "FrameNotFound",
-]
-
 
 # How torch's DataLoader re-raises a worker's exception in the main process: one message holding
 # the worker's whole traceback, whose last line is "module.Class: message".
@@ -100,8 +54,7 @@ class ResumeError(UsageError):
 
 
 class TopologyChanged(ResumeError):
-    """A checkpoint was taken with another seed, strategy, pool setting, ``repeat`` or episode
-    selection (another world size, worker count or batch size resumes)."""
+    """A checkpoint's setup differs from this run's in more than the topology (SPEC §3.6)."""
 
 
 # --- the dataset ---------------------------------------------------------------------------
