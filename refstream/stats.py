@@ -2,24 +2,20 @@
 
 Use::
 
-    meta.stats["action"]["mean"]               # meta/stats.json, loaded by load_meta as LeRobot
-                                               # loads it: float64 arrays, "count" int64
-    subset = selection_stats(source, meta, [3, 7])   # the stats of those episodes only
-    parts = read_episode_stats(source, meta, [3, 7])   # each episode's own, in that order
-    aggregate_stats(parts)                     # == subset
+    meta.stats["action"]["mean"]              # meta/stats.json, read by load_meta (load_stats)
+    selection_stats(source, meta, [3, 7])     # the statistics of those episodes alone
+    aggregate_stats(episode_stats(table))     # combined from an episodes table's own columns
 
-A statistics dict maps each feature to ``{stat: numpy array}`` with the stats of SPEC §4.7
-(``min``, ``max``, ``mean``, ``std``, ``count`` and the quantiles ``q01`` … ``q99``); shapes are
-those of the JSON lists (an image's are ``(C, 1, 1)``). :func:`aggregate_stats` combines
-statistics of disjoint parts, e.g. the episodes of a selection, the way LeRobot combined them
-when it wrote ``meta/stats.json``: counts add, min and max fold, the mean is count-weighted, the
-variance pooled, and each quantile is the count-weighted mean of the parts' quantiles.
+A statistics dict maps each feature to ``{stat: array}``, float64 (``count`` int64), shaped as
+the JSON lists (an image's ``(C, 1, 1)``). A selection's statistics combine its episodes' own the
+way LeRobot combined them into ``meta/stats.json``.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,12 +30,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATS_PATH",
-    "Stats",
     "aggregate_stats",
     "episode_stats",
     "load_stats",
     "parse_stats",
-    "read_episode_stats",
     "selection_stats",
 ]
 
@@ -48,6 +42,7 @@ STATS_PATH = "meta/stats.json"
 Stats = dict[str, dict[str, np.ndarray]]
 # The statistics that are not quantiles; every other stat must be a quantile "qNN".
 _MOMENTS = ("min", "max", "mean", "std", "count")
+_QUANTILE = re.compile(r"q[0-9]{2}")
 
 
 def load_stats(source: Source) -> Stats | None:
@@ -59,9 +54,9 @@ def load_stats(source: Source) -> Stats | None:
     return parse_stats(data)
 
 
-def read_episode_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> list[Stats]:
-    """Each of ``episodes``' own statistics from the episodes table (SPEC §4.7), in the order
-    given; reads only the episodes files that hold them."""
+def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
+    """The statistics of ``episodes`` alone, combined from their own in the episodes table;
+    reads only the episodes files that hold them."""
     rows = [meta.row(int(e)) for e in episodes]
     found: dict[int, Stats] = {}
     first = 0
@@ -78,13 +73,7 @@ def read_episode_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int
             found.update(zip((first + w for w in wanted), episode_stats(table, relpath),
                              strict=True))
         first += count
-    return [found[row] for row in rows]
-
-
-def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
-    """The statistics of ``episodes`` alone, combined from their own (:func:`aggregate_stats`):
-    what ``meta/stats.json`` would say of a dataset of just those episodes."""
-    return aggregate_stats(read_episode_stats(source, meta, episodes))
+    return aggregate_stats([found[row] for row in rows])
 
 
 def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
@@ -121,8 +110,8 @@ def episode_stats(table: pa.Table, where: str = "meta/episodes") -> list[Stats]:
 
 
 def aggregate_stats(parts: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> Stats:
-    """The statistics of the union of disjoint ``parts`` (module docstring); a feature missing
-    from a part is combined over the parts that have it."""
+    """The statistics of the union of disjoint ``parts`` (SPEC §4.7); a feature missing from a
+    part is combined over the parts that have it."""
     if not parts:
         raise UsageError("aggregate_stats needs at least one part")
     features = dict.fromkeys(feature for part in parts for feature in part)
@@ -132,8 +121,8 @@ def aggregate_stats(parts: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> 
 
 
 def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> dict:
-    missing = [name for name in ("min", "max", "mean", "std", "count")
-               if any(name not in part for part in parts)]
+    quantiles = [name for name in parts[0] if name not in _MOMENTS]
+    missing = [name for name in (*_MOMENTS, *quantiles) if any(name not in part for part in parts)]
     if missing:
         raise UsageError(f"stats of {feature!r}: a part lacks {missing}")
     counts = np.stack([np.asarray(part["count"], np.int64) for part in parts])
@@ -150,17 +139,14 @@ def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> d
         "std": np.sqrt(variance),
         "count": total,
     }
-    quantiles = [name for name in parts[0] if name not in _MOMENTS]
     for name in quantiles:
-        if any(name not in part for part in parts):
-            raise UsageError(f"stats of {feature!r}: quantile {name!r} is missing from a part")
         combined[name] = (np.stack([part[name] for part in parts]) * weights).sum(axis=0) / total
     return combined
 
 
 def _stat_array(value: object, where: str, name: str) -> np.ndarray:
     """One stat as LeRobot casts it: ``count`` int64, every other stat float64."""
-    if name not in _MOMENTS and not (len(name) == 3 and name[0] == "q" and name[1:].isdigit()):
+    if name not in _MOMENTS and not _QUANTILE.fullmatch(name):
         raise MalformedDataset(f"{where}: unknown stat {name!r} (expected {_MOMENTS} or qNN)")
     try:
         array = np.array(value, dtype=np.float64)
