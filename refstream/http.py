@@ -6,16 +6,13 @@ Usage::
     source = HTTPSource("https://host/dataset", token=None, retry=RetryPolicy())
     source.read_range("data/chunk-000/file-000.parquet", 0, 4096)   # the refstream.source calls
 
-Judging is I/O-free: :func:`plan_range_response` (``Range: bytes=a-b``),
-:func:`plan_suffix_response` (``bytes=-n``), :func:`plan_whole_response` (no ``Range``) and
-:func:`plan_status` take what was asked and the answer's status and headers, and return a
-decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`FallBack` (the server
-does not serve this kind of range) — or raise the :mod:`refstream.errors` class that ends the
-request. :class:`HTTPSource` does the I/O around them: a ``requests.Session`` per request in
-flight, reused; redirects followed by hand; the token sent to its own origin only; ``.netrc``
-never read. A connection that fails before an answer, or a body cut short, is a Retry too. Each
-retry is logged at WARNING on the ``refstream.http`` logger (URL, byte range, attempt, delay);
-no message carries a token or a request header.
+:func:`judge_response` is I/O-free: from what a GET asked and the answer's status and headers it
+returns a decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`FallBack`
+(the server does not serve suffix ranges) — or raises the error that ends the request.
+:class:`HTTPSource` does the I/O around it: a ``requests.Session`` per request in flight, reused;
+redirects followed by hand; the token sent to the base URL's origin only; ``.netrc`` never read.
+Each retry is logged at WARNING on the ``refstream.http`` logger (URL, byte range, attempt,
+delay); no message carries a token or a request header.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ __all__ = [
     "Accept",
     "Retry",
     "FallBack",
-    "plan_range_response",
-    "plan_suffix_response",
+    "judge_response",
     "parse_retry_after",
 ]
 
@@ -68,10 +64,9 @@ WHOLE_BODY_CAP_BYTES = 1 << 20
 RETRY_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5  # the Hub needs 1 (resolve -> CDN); more hops mean a loop
-# What a remembered redirect target answers once its signature expired (S3/CloudFront: 403).
-_EXPIRED_TARGET_STATUSES = frozenset({401, 403, 404, 410})
 _CHUNK_BYTES = 1 << 16  # socket read granularity for response bodies
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "٣"
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
 _T = TypeVar("_T")
 
 
@@ -98,74 +93,62 @@ class Retry:
 
 @dataclass(frozen=True)
 class FallBack:
-    """The server does not serve this kind of range: ask the size, then a plain range."""
-
-    reason: str  # the message, should the request have no other way
+    """The server does not serve suffix ranges: ask the size, then a plain range."""
 
 
-def plan_range_response(
-    first: int, last: int, status: int, headers, *, known_size: int | None,
-    whole_body_cap_bytes: int, where: str,
-) -> Accept | Retry:
-    """The decision on an answer to ``Range: bytes=first-last`` (SPEC §8.2 rules 1–4);
-    ``headers`` is case-insensitive, ``known_size`` the size seen before (or None)."""
-    length = last - first + 1
-    if status == 206:
+def judge_response(
+    status: int, headers: Mapping[str, str], *, first_last: tuple[int, int] | None = None,
+    suffix: int | None = None, known_size: int | None = None,
+    whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES, where: str = "", now: datetime | None = None,
+) -> Accept | Retry | FallBack:
+    """The decision on an answer to ``Range: bytes=first-last`` (``first_last``), to
+    ``bytes=-suffix`` or, when both are None, to a GET without ``Range`` (SPEC §8.2).
+    ``headers`` is case-insensitive, ``known_size`` the file size seen before, ``now`` the time a
+    ``Retry-After`` date is measured from (default: the clock)."""
+    asked_range = first_last is not None or suffix is not None
+    if status in RETRY_STATUSES:
+        after_s = parse_retry_after(headers.get("Retry-After"), now)
+        return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
+    if status == 206 and asked_range:
         got_first, got_last, total = _content_range(headers, known_size, where)
+        if suffix is not None:
+            if total is None or (got_first, got_last) != (max(0, total - suffix), total - 1):
+                raise _bad_content_range(headers, where)
+            answer = total - got_first
+            return Accept(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
+        first, last = first_last
         if (got_first, got_last) != (first, last):
             if got_first == first and total is not None and got_last == total - 1 < last:
                 raise ShortRead(f"{where}: file has only {total} bytes")
             raise _bad_content_range(headers, where)
+        length = last - first + 1
         return Accept(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
+    if status == 200 and not asked_range:
+        size = _decimal(headers.get("Content-Length"))
+        return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
     if status == 200:  # the server ignored Range
-        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
-        if isinstance(total, FallBack):
-            raise BadRangeResponse(total.reason)
+        if "Content-Range" in headers:
+            raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
+        total = _decimal(headers.get("Content-Length"))
+        if total is None:
+            raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
+        if total > whole_body_cap_bytes and suffix is not None:
+            return FallBack()
+        if total > whole_body_cap_bytes:
+            raise BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
+                                   f"({total} bytes > {whole_body_cap_bytes}-byte cap)")
+        _check_size(known_size, total, where)
+        if suffix is not None:
+            answer = min(suffix, total)
+            return Accept(body_bytes=total, skip_bytes=total - answer, file_size=total,
+                          answer_bytes=answer)
+        first, last = first_last
         if total <= last:
             raise ShortRead(f"{where}: file has only {total} bytes")
-        return Accept(body_bytes=total, skip_bytes=first, file_size=total, answer_bytes=length)
-    return plan_status(status, headers, where)
-
-
-def plan_suffix_response(
-    length: int, status: int, headers, *, known_size: int | None, whole_body_cap_bytes: int,
-    where: str,
-) -> Accept | Retry | FallBack:
-    """The decision on an answer to ``Range: bytes=-length`` (SPEC §8.2, tail reads)."""
-    if status == 206:
-        got_first, got_last, total = _content_range(headers, known_size, where)
-        if total is None or (got_first, got_last) != (max(0, total - length), total - 1):
-            raise _bad_content_range(headers, where)
-        answer = total - got_first
-        return Accept(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
-    if status == 416:
-        return FallBack(f"{where}: HTTP 416")
-    if status == 200:
-        total = _whole_body_size(headers, known_size, whole_body_cap_bytes, where)
-        if isinstance(total, FallBack):
-            return total
-        answer = min(length, total)
-        return Accept(body_bytes=total, skip_bytes=total - answer, file_size=total,
-                      answer_bytes=answer)
-    return plan_status(status, headers, where)
-
-
-def plan_whole_response(status: int, headers, where: str) -> Accept | Retry:
-    """The decision on an answer to a GET without ``Range``: a 200 whose body has its
-    ``Content-Length`` when one is given (SPEC §8.2)."""
-    if status != 200:
-        return plan_status(status, headers, where)
-    announced = headers.get("Content-Length", "")
-    size = int(announced) if announced.isdigit() else None
-    return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
-
-
-def plan_status(status: int, headers, where: str) -> Retry:
-    """A :class:`Retry` for a retried status; for any other, its error is raised (SPEC §8.2
-    rules 3–4)."""
-    if status in RETRY_STATUSES:
-        return Retry(HTTPStatusError(f"{where}: HTTP {status}"),
-                     parse_retry_after(headers.get("Retry-After")))
+        return Accept(body_bytes=total, skip_bytes=first, file_size=total,
+                      answer_bytes=last - first + 1)
+    if status == 416 and suffix is not None:
+        return FallBack()
     if status in (404, 410):
         raise MalformedDataset(f"{where}: missing from the dataset (HTTP {status})")
     if status == 412:
@@ -177,11 +160,10 @@ def plan_status(status: int, headers, where: str) -> Retry:
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` in seconds (delta-seconds or an HTTP date), None when absent or invalid."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
+    """``Retry-After`` in seconds (a decimal or an HTTP date, SPEC §8.2 rule 3), None when absent
+    or invalid; a date is measured from ``now`` (default: the clock)."""
+    value = (value or "").strip()
+    if _decimal(value) is not None:
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
@@ -192,10 +174,15 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
 
 
+def _decimal(text: str | None) -> int | None:
+    """``text`` as an integer when it is a decimal (ASCII digits, SPEC §8.2), else None."""
+    return int(text) if text and _DECIMAL.fullmatch(text) else None
+
+
 def _content_range(headers, known_size: int | None, where: str) -> tuple[int, int, int | None]:
     """``(first, last, total)`` of a 206's ``Content-Range: bytes F-L/T`` (``total`` None for
     ``*``), checked against the size seen before."""
-    match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+    match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
     if match is None:
         raise _bad_content_range(headers, where)
     total = None if match[3] == "*" else int(match[3])
@@ -205,23 +192,6 @@ def _content_range(headers, known_size: int | None, where: str) -> tuple[int, in
 
 def _bad_content_range(headers, where: str) -> BadRangeResponse:
     return BadRangeResponse(f"{where}: 206 with Content-Range {headers.get('Content-Range', '')!r}")
-
-
-def _whole_body_size(headers, known_size: int | None, whole_body_cap_bytes: int,
-                     where: str) -> int | FallBack:
-    """The size of a 200 answer to a range request (the server ignored ``Range``), or
-    :class:`FallBack` when it is over the cap (decided before the body is read)."""
-    if "Content-Range" in headers:
-        raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
-    announced = headers.get("Content-Length", "")
-    if not announced.isdigit():
-        raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
-    total = int(announced)
-    if total > whole_body_cap_bytes:
-        return FallBack(f"{where}: server ignored Range and sent the whole file ({total} bytes "
-                        f"> {whole_body_cap_bytes}-byte cap)")
-    _check_size(known_size, total, where)
-    return total
 
 
 def _check_size(known_size: int | None, total: int | None, where: str) -> None:
@@ -251,9 +221,6 @@ class RetryPolicy:
 
 # --- the source --------------------------------------------------------------------------------
 
-# A decision function of (status, headers (case-insensitive), the file size seen before).
-Judge = Callable[[int, Mapping[str, str], int | None], Accept | Retry | FallBack]
-
 
 def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
@@ -261,17 +228,13 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 
 
 class HTTPSource(BaseSource):
-    """Files under an HTTP(S) base URL (module docstring). ``token`` goes only to
-    ``token_origin`` (default: the base URL's); ``pinned_identity`` (``commit:<sha>``) is every
-    file's identity when the URLs name a commit; ``label`` is what ``repr`` shows."""
+    """Files under an HTTP(S) base URL (module docstring); ``label`` is what ``repr`` shows."""
 
     def __init__(
         self,
         base_url: str,
         *,
         token: str | None = None,
-        token_origin: str | None = None,
-        pinned_identity: str | None = None,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
         retry: RetryPolicy | None = None,
@@ -284,8 +247,7 @@ class HTTPSource(BaseSource):
         self.base_url = base_url.rstrip("/")
         self.label = label or self.base_url
         self._token = token
-        self._token_origin = _origin(token_origin or base_url)
-        self._pinned_identity = pinned_identity
+        self._token_origin = _origin(base_url)
         self._timeout = (connect_timeout_s, read_timeout_s)
         self.retry = retry or RetryPolicy()
         self._whole_body_cap_bytes = whole_body_cap_bytes
@@ -293,7 +255,6 @@ class HTTPSource(BaseSource):
         self._sessions: list[requests.Session] = []  # every session made, closed by close()
         self._idle: list[requests.Session] = []  # sessions no request is being sent on
         self._sizes: dict[str, int] = {}  # relpath -> size seen
-        self._targets: dict[str, str] = {}  # url -> redirect target (commit-pinned only)
 
     def __repr__(self) -> str:
         return f"HTTPSource({self.label!r}, token={'set' if self._token else 'none'})"
@@ -305,32 +266,25 @@ class HTTPSource(BaseSource):
 
     def read_bytes(self, relpath: str) -> bytes:
         url = self.url(relpath)
-        return self._get(url, url, relpath, None, None)
+        return self._get(url, url, relpath)[0]
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         url = self.url(relpath)
         check_span(url, offset, length)
         if length == 0:
             return b""
-        first, last = offset, offset + length - 1
         where = f"{url} {byte_range(offset, length)}"
-        return self._get(url, where, relpath, f"bytes={first}-{last}",
-                         lambda status, headers, known: plan_range_response(
-                             first, last, status, headers, known_size=known,
-                             whole_body_cap_bytes=self._whole_body_cap_bytes, where=where))
+        return self._get(url, where, relpath, first_last=(offset, offset + length - 1))[0]
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         url = self.url(relpath)
         check_tail(url, length)
         where = f"{url} bytes -{length}"  # HTTP's suffix form: the last `length` bytes
-        body = self._get(url, where, relpath, f"bytes=-{length}",
-                         lambda status, headers, known: plan_suffix_response(
-                             length, status, headers, known_size=known,
-                             whole_body_cap_bytes=self._whole_body_cap_bytes, where=where))
-        if isinstance(body, FallBack):
+        answer = self._get(url, where, relpath, suffix=length)
+        if isinstance(answer, FallBack):
             return self._tail_by_size(relpath, length)  # the size from HEAD, then a range
         with self._lock:
-            return body, self._sizes[relpath]
+            return answer[0], self._sizes[relpath]
 
     def size(self, relpath: str) -> int:
         with self._lock:
@@ -338,9 +292,6 @@ class HTTPSource(BaseSource):
         return self._head(relpath)[0] if known is None else known
 
     def identity(self, relpath: str) -> str:
-        if self._pinned_identity is not None:
-            check_relpath(relpath)
-            return self._pinned_identity
         return self._head(relpath)[1]
 
     def close(self) -> None:
@@ -349,18 +300,20 @@ class HTTPSource(BaseSource):
         for session in sessions:
             session.close()
 
-    def get_url(self, url: str, judge: Judge | None = None) -> bytes:
-        """GET an absolute URL (a Hub API call), retried; ``judge`` may see every answer."""
-        return self._get(url, url, None, None, judge)
+    def get_url(self, url: str) -> tuple[bytes, Mapping[str, str]]:
+        """GET an absolute URL (a Hub API call), retried: its body and headers."""
+        return self._get(url, url)
 
     # --- one logical request: attempts until one is not a Retry -----------------------------
 
-    def _get(self, url: str, where: str, relpath: str | None, range_header: str | None,
-             judge: Judge | None) -> bytes | FallBack:
-        """GET ``url`` with ``range_header``, whose answers ``judge`` decides (None: a whole-file
-        GET, :func:`plan_whole_response`), with retries."""
-        return self._retrying(where, lambda: self._attempt(url, where, relpath, range_header,
-                                                           judge))
+    def _get(
+        self, url: str, where: str, relpath: str | None = None, *,
+        first_last: tuple[int, int] | None = None, suffix: int | None = None,
+    ) -> tuple[bytes, Mapping[str, str]] | FallBack:
+        """GET ``url`` (whole, bytes ``first_last`` or the last ``suffix``), with retries: the
+        answer and the response's headers, or the judge's FallBack."""
+        return self._retrying(where, lambda: self._attempt(url, where, relpath, first_last,
+                                                           suffix))
 
     def _retrying(self, where: str, attempt: Callable[[], _T | Retry]) -> _T:
         """Run ``attempt`` until it returns anything but a :class:`Retry`, at most
@@ -385,50 +338,60 @@ class HTTPSource(BaseSource):
             f"{where}: failed {policy.max_attempts} times; last: {outcome.cause}"
         ) from outcome.cause
 
-    def _attempt(self, url: str, where: str, relpath: str | None, range_header: str | None,
-                 judge: Judge | None) -> bytes | Retry | FallBack:
-        headers = {} if range_header is None else {"Range": range_header}
+    def _attempt(
+        self, url: str, where: str, relpath: str | None, first_last: tuple[int, int] | None,
+        suffix: int | None,
+    ) -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
+        headers = {}
+        if first_last is not None:
+            headers["Range"] = f"bytes={first_last[0]}-{first_last[1]}"
+        if suffix is not None:
+            headers["Range"] = f"bytes=-{suffix}"
         response, hops = self._send("GET", url, headers, where)
         with contextlib.closing(response):
             with self._lock:
                 known = None if relpath is None else self._sizes.get(relpath)
-            decision = (plan_whole_response(response.status_code, response.headers, where)
-                        if judge is None else judge(response.status_code, response.headers, known))
+            decision = judge_response(
+                response.status_code, response.headers, first_last=first_last, suffix=suffix,
+                known_size=known, whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
+            )
             if not isinstance(decision, Accept):
                 return decision
             body, broken = self._read_body(response, decision.body_bytes)
-            expected = decision.body_bytes
-            if broken or (expected is not None and len(body) < expected):
-                of = "" if expected is None else f" of {expected}"
-                return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
-            if expected is not None and len(body) > expected:
-                raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
-            if relpath is not None:
-                if decision.file_size is not None:
-                    with self._lock:
-                        self._sizes.setdefault(relpath, decision.file_size)
-                self._check_identity(relpath, self._identity_of(hops), where)
-            if decision.answer_bytes is None:
-                return body
-            return body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
+        expected = decision.body_bytes
+        if broken or (expected is not None and len(body) < expected):
+            of = "" if expected is None else f" of {expected}"
+            return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
+        if expected is not None and len(body) > expected:
+            raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
+        if relpath is not None:
+            if decision.file_size is not None:
+                with self._lock:
+                    self._sizes.setdefault(relpath, decision.file_size)
+            self._check_identity(relpath, _identity_of(hops), where)
+        if decision.answer_bytes is not None:
+            body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
+        return body, response.headers
 
     def _head(self, relpath: str) -> tuple[int, str]:
-        """(size, identity) of a file from a HEAD request; the size is remembered."""
+        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
         url = self.url(relpath)
-        return self._retrying(f"HEAD {url}", lambda: self._head_once(relpath, url))
-
-    def _head_once(self, relpath: str, url: str) -> tuple[int, str] | Retry:
         where = f"HEAD {url}"
-        response, hops = self._send("HEAD", url, {}, where)
-        response.close()
-        if response.status_code != 200:
-            return plan_status(response.status_code, response.headers, where)
-        size = _linked_size(hops)
-        if size is None:
-            raise BadRangeResponse(f"{where}: no Content-Length")
-        with self._lock:
-            self._sizes[relpath] = size
-        return size, self._identity_of(hops)
+
+        def attempt() -> tuple[int, str] | Retry:
+            response, hops = self._send("HEAD", url, {}, where)
+            response.close()
+            decision = judge_response(response.status_code, response.headers, where=where)
+            if isinstance(decision, Retry):
+                return decision
+            size = _linked_size(hops)
+            if size is None:
+                raise BadRangeResponse(f"{where}: no Content-Length")
+            with self._lock:
+                self._sizes[relpath] = size
+            return size, _identity_of(hops)
+
+        return self._retrying(where, attempt)
 
     # --- transport ----------------------------------------------------------------------------
 
@@ -457,27 +420,7 @@ class HTTPSource(BaseSource):
     def _send(
         self, method: str, url: str, headers: dict[str, str], where: str
     ) -> tuple[requests.Response, list[requests.Response]]:
-        """Send, following redirects by hand; returns the final response and every hop. A
-        commit-pinned source goes straight to a remembered redirect target (SPEC §8.2)."""
-        with self._lock:
-            target = self._targets.get(url)
-        if target is not None:
-            response, hops = self._follow(method, target, headers, where)
-            if response.status_code not in _EXPIRED_TARGET_STATUSES:
-                return response, hops
-            response.close()
-            with self._lock:
-                self._targets.pop(url, None)
-            self._count(refreshes=1)
-        response, hops = self._follow(method, url, headers, where)
-        if self._pinned_identity is not None and len(hops) > 1 and response.ok:
-            with self._lock:
-                self._targets[url] = response.url
-        return response, hops
-
-    def _follow(
-        self, method: str, url: str, headers: dict[str, str], where: str
-    ) -> tuple[requests.Response, list[requests.Response]]:
+        """Send, following redirects by hand (SPEC §8.2): the final response and every hop."""
         hops: list[requests.Response] = []
         for _ in range(MAX_REDIRECTS + 1):
             # identity: byte ranges and lengths must refer to the stored bytes, not a gzip of them
@@ -514,26 +457,25 @@ class HTTPSource(BaseSource):
         self._count(bytes=done)
         return b"".join(parts), ""
 
-    def _identity_of(self, hops: list[requests.Response]) -> str:
-        """SPEC §8.1: the pinned identity, else the first X-Linked-Etag, ETag, Last-Modified."""
-        if self._pinned_identity is not None:
-            return self._pinned_identity
-        for hop in hops:
-            linked = hop.headers.get("X-Linked-Etag")
-            if linked:
-                return f"etag:{linked}"
-        final = hops[-1].headers
-        if final.get("ETag"):
-            return f"etag:{final['ETag']}"
-        if final.get("Last-Modified"):
-            return f"last-modified:{final['Last-Modified']}"
-        return ""
+
+def _identity_of(hops: list[requests.Response]) -> str:
+    """SPEC §8.1: the first X-Linked-Etag on the chain, else the final ETag, Last-Modified."""
+    for hop in hops:
+        linked = hop.headers.get("X-Linked-Etag")
+        if linked:
+            return f"etag:{linked}"
+    final = hops[-1].headers
+    if final.get("ETag"):
+        return f"etag:{final['ETag']}"
+    if final.get("Last-Modified"):
+        return f"last-modified:{final['Last-Modified']}"
+    return ""
 
 
 def _linked_size(hops: list[requests.Response]) -> int | None:
+    """SPEC §8.2: the first X-Linked-Size on the chain, else the final Content-Length."""
     for hop in hops:
-        linked = hop.headers.get("X-Linked-Size", "")
-        if linked.isdigit():
-            return int(linked)
-    announced = hops[-1].headers.get("Content-Length", "")
-    return int(announced) if announced.isdigit() else None
+        linked = _decimal(hop.headers.get("X-Linked-Size"))
+        if linked is not None:
+            return linked
+    return _decimal(hops[-1].headers.get("Content-Length"))

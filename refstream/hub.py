@@ -1,19 +1,16 @@
 """The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots and revision pinning
-(SPEC §8.4).
+(SPEC §8.4), and content identities from the tree listing (SPEC §10.1).
 
 Usage::
 
-    source = open_hf_source("hf://datasets/lerobot/pusht@v1.0")  # an HTTPSource on one commit
+    source = open_hf_source("hf://datasets/lerobot/pusht@v1.0")  # a HubSource on one commit
     hf = parse_hf_root(root)            # the one hf:// parser; hf.base_url(endpoint, commit)
     pinned_root(root, source.identity(relpath))   # the root @ the commit the source reads
-    source.content_identities(relpaths)  # relpath -> (size, LFS sha256) from the tree listing
 
-A branch or tag is pinned once, at open, to its commit, so every file a run reads comes from that
-commit: in the main process, and through :func:`pinned_root` in DataLoader workers. Buckets have
-no commits (ETag identities). The endpoint is :func:`hub_endpoint`, the token ``HF_TOKEN``, sent
-to the endpoint's origin only, never to the CDN the Hub redirects to. Hub API calls go through
-:func:`_api_json`, with the retries and token rule of every request. A root written as a bare
-``OWNER/NAME`` is refused by :func:`check_not_a_repo_id`, which shows the ``hf://`` form.
+A branch or tag is pinned once, at open, to its commit: DataLoader workers open the
+:func:`pinned_root`, so every file a run reads comes from that commit. Buckets have no commits
+(ETag identities). The endpoint is :func:`hub_endpoint`; the token, ``HF_TOKEN`` by default, is
+sent to the endpoint's origin only, never to the CDN the Hub redirects to.
 """
 
 from __future__ import annotations
@@ -25,18 +22,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urljoin
 
+import requests
+
 from refstream.errors import FetchError, MalformedDataset, UsageError
-from refstream.http import HTTPSource, plan_whole_response
+from refstream.http import HTTPSource
 from refstream.meta import check_relpath
 
 __all__ = [
-    "HfRoot",
-    "HubSource",
+    "hub_endpoint",
+    "open_hf_source",
     "parse_hf_root",
     "pinned_root",
-    "open_hf_source",
-    "hub_endpoint",
-    "HF_DEFAULT_ENDPOINT",
 ]
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -44,6 +40,8 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _NEXT_PAGE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')  # in a Link header
+# What a remembered redirect target answers once its signature expired (S3/CloudFront: 403).
+_EXPIRED_TARGET_STATUSES = frozenset({401, 403, 404, 410})
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,7 @@ def open_hf_source(
     endpoint = hub_endpoint(endpoint)
     token = token if token is not None else os.environ.get("HF_TOKEN") or None
     hf = parse_hf_root(root)
-    options = dict(token=token, token_origin=endpoint, label=root, **http_options)
+    options = dict(token=token, label=root, **http_options)
     if hf.kind == "buckets":
         return HTTPSource(hf.base_url(endpoint, None), **options)
     commit = hf.revision
@@ -132,13 +130,19 @@ def open_hf_source(
 
 class HubSource(HTTPSource):
     """An :class:`HTTPSource` on one commit of a Hub dataset: every file's identity is the
-    commit; its content identity comes from the commit's tree listing (SPEC §10.1)."""
+    commit, its content identity comes from the commit's tree listing, and a redirect target is
+    remembered until it expires (SPEC §8.2)."""
 
     def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
-        super().__init__(hf.base_url(endpoint, commit), pinned_identity=f"commit:{commit}",
-                         **options)
+        super().__init__(hf.base_url(endpoint, commit), **options)
+        self._commit = commit
         self._tree_url = f"{endpoint}/api/datasets/{hf.owner}/{hf.name}/tree/{commit}"
         self._prefix = f"{hf.prefix}/" if hf.prefix else ""
+        self._targets: dict[str, str] = {}  # url -> redirect target; guarded by self._lock
+
+    def identity(self, relpath: str) -> str:
+        check_relpath(relpath)
+        return f"commit:{self._commit}"
 
     def expect_identity(self, relpath: str, identity: str) -> None:
         """Nothing to check: every read names the commit, and a commit's files never change."""
@@ -161,15 +165,29 @@ class HubSource(HTTPSource):
 
     def _page(self, url: str) -> tuple[bytes, str | None]:
         """One page of a listing, and the URL of the next one its ``Link`` header names."""
-        links = []
-
-        def judge(status: int, headers, known: int | None):
-            links.append(headers.get("Link", ""))
-            return plan_whole_response(status, headers, url)
-
-        body = self.get_url(url, judge)
-        after = _NEXT_PAGE.search(links[-1])
+        body, headers = self.get_url(url)
+        after = _NEXT_PAGE.search(headers.get("Link", ""))
         return body, urljoin(url, after[1]) if after else None
+
+    def _send(
+        self, method: str, url: str, headers: dict[str, str], where: str
+    ) -> tuple[requests.Response, list[requests.Response]]:
+        """Straight to the remembered target of ``url``'s redirects, while it answers."""
+        with self._lock:
+            target = self._targets.get(url)
+        if target is not None:
+            response, hops = super()._send(method, target, headers, where)
+            if response.status_code not in _EXPIRED_TARGET_STATUSES:
+                return response, hops
+            response.close()
+            with self._lock:
+                self._targets.pop(url, None)
+            self._count(refreshes=1)
+        response, hops = super()._send(method, url, headers, where)
+        if len(hops) > 1 and response.ok:
+            with self._lock:
+                self._targets[url] = response.url
+        return response, hops
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
         """The files of one page of a tree listing, by relpath."""
@@ -198,7 +216,7 @@ def _api_json(endpoint: str, url: str, options: dict) -> object:
     """The JSON answer of one Hub API call, sent with ``options`` (token, retries, timeouts)."""
     api = HTTPSource(endpoint, **options)
     try:
-        body = api.get_url(url)
+        body = api.get_url(url)[0]
     finally:
         api.close()
     try:

@@ -27,15 +27,7 @@ from requests.structures import CaseInsensitiveDict
 from refstream.budget import ByteBudget
 from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
-from refstream.http import (
-    Accept,
-    FallBack,
-    HTTPSource,
-    Retry,
-    parse_retry_after,
-    plan_range_response,
-    plan_suffix_response,
-)
+from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.hub import hub_endpoint, parse_hf_root
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index_bytes
@@ -328,31 +320,28 @@ def kind_windows(case: dict) -> dict:
 
 def kind_range_response(case: dict) -> dict:
     """Kind ``range_response`` (SPEC §8.7)."""
-    decision = plan_range_response(
-        case["first"], case["last"], case["status"], CaseInsensitiveDict(case["headers"]),
-        known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-        where="case",
-    )
-    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"), case)
+    decision = _judge(case, first_last=(case["first"], case["last"]))
+    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"))
 
 
 def kind_suffix_response(case: dict) -> dict:
     """Kind ``suffix_response`` (SPEC §8.7)."""
-    return _decision_answer(plan_suffix_response(
-        case["length"], case["status"], CaseInsensitiveDict(case["headers"]),
+    decision = _judge(case, suffix=case["length"])
+    return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size", "answer_bytes"))
+
+
+def _judge(case: dict, **asked) -> Accept | Retry | FallBack:
+    """:func:`judge_response` on a fetch case; its ``now`` (an HTTP date) fixes the clock."""
+    now = case.get("now")
+    return judge_response(
+        case["status"], CaseInsensitiveDict(case["headers"]), **asked,
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-        where="case",
-    ), ("body_bytes", "skip_bytes", "file_size", "answer_bytes"), case)
+        where="case", now=None if now is None else email.utils.parsedate_to_datetime(now),
+    )
 
 
-def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...],
-                     case: dict) -> dict:
-    """A response-judging decision as the fetch kinds answer it (``fields`` of an Accept). A
-    case with ``now`` (an HTTP date) fixes the clock a ``Retry-After`` date is measured from."""
-    if isinstance(decision, Retry) and case.get("now") is not None:
-        now = email.utils.parsedate_to_datetime(case["now"])
-        retry_after = CaseInsensitiveDict(case["headers"]).get("Retry-After")
-        return {"retry": True, "retry_after_s": parse_retry_after(retry_after, now)}
+def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...]) -> dict:
+    """A response-judging decision as the fetch kinds answer it (``fields`` of an Accept)."""
     if isinstance(decision, Retry):
         return {"retry": True, "retry_after_s": decision.after_s}
     if isinstance(decision, FallBack):
