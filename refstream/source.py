@@ -9,17 +9,12 @@ Usage::
     source.size(relpath), source.identity(relpath)
     source.content_identities(relpaths)          # relpath -> (size, content identity), SPEC §10.1
     source.expect_identity(relpath, identity)    # a later read of another version: PayloadChanged
-    source.stats()                               # the counters below
     pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
 
-Every source is a :class:`Source`: :class:`LocalSource` here (``os.pread``; the open descriptor
-pins the version whose identity is checked), :class:`refstream.http.HTTPSource` for ``http(s)://``
-(SPEC §8.2–§8.3) and :func:`refstream.hub.open_hf_source` for ``hf://`` (SPEC §8.4). Paths are
-relative to the root and checked by :func:`refstream.meta.check_relpath`. A source may be shared
-by threads. ``stats()`` counts, since the source was made: ``requests`` (local reads; HTTP
-requests sent, each redirect hop included), ``bytes`` (payload received), ``retries`` (attempts
-after the first), ``redirects`` (hops followed) and ``refreshes`` (remembered redirect targets
-that had expired).
+:class:`LocalSource` reads a folder; :mod:`refstream.http` and :mod:`refstream.hub` serve the
+other roots. A source may be shared by threads. ``stats()`` counts, since the source was made:
+``requests`` (local reads; HTTP requests, each redirect hop included), ``bytes`` (payload
+received), ``retries``, ``redirects`` and ``refreshes`` (remembered redirect targets that expired).
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +37,8 @@ from refstream.meta import check_relpath
 __all__ = ["Source", "LocalSource", "RangeFile", "open_source"]
 
 IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each over HTTP
+# A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class Source(meta.Source, Protocol):
@@ -57,12 +55,9 @@ class Source(meta.Source, Protocol):
 
 
 def open_source(root: str | Path, **http_options) -> Source:
-    """The source for a dataset root: a folder, ``file://``, ``http(s)://`` or ``hf://``.
-
-    ``http_options`` (timeouts, ``retry``, …) are :class:`refstream.http.HTTPSource` arguments;
-    a local root has nothing to tune and ignores them. A relative ``OWNER/NAME`` that is no
-    folder is refused with the ``hf://datasets/OWNER/NAME`` form.
-    """
+    """The source for a dataset root: a folder, ``file://``, ``http(s)://`` or ``hf://``;
+    ``http_options`` (timeouts, ``retry``, …) are :class:`refstream.http.HTTPSource` arguments,
+    which a local root ignores."""
     from refstream import http, hub  # they build on this module
 
     text = str(root)
@@ -74,14 +69,14 @@ def open_source(root: str | Path, **http_options) -> Source:
         return LocalSource(unquote(urlsplit(text).path))
     if "://" in text:
         raise UsageError(f"{text!r}: unsupported root (folder, file://, http(s)://, hf://)")
-    if not os.path.exists(text):
-        hub.check_not_a_repo_id(text)
+    if not os.path.exists(text) and _REPO_ID.fullmatch(text):
+        raise UsageError(f"{text!r} is not a folder here; a dataset on the Hugging Face Hub "
+                         f"is written hf://datasets/{text}")
     return LocalSource(text)
 
 
 class BaseSource:
-    """What every source shares: the ``stats()`` counters, the identities given to
-    ``expect_identity`` and the check of every read against them (SPEC §8.1)."""
+    """What every source shares: the counters and the identity check of every read (SPEC §8.1)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,8 +92,7 @@ class BaseSource:
             self._expected[check_relpath(relpath)] = identity
 
     def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]:
-        """``relpath -> (size, identity)`` of each distinct file, asked ``IDENTITY_THREADS`` at a
-        time (over HTTP one ``HEAD`` each; the Hub lists them instead)."""
+        """``relpath -> (size, identity)`` of each distinct file, ``IDENTITY_THREADS`` at a time."""
         def ask(relpath: str) -> tuple[str, tuple[int, str]]:
             identity = self.identity(relpath)  # first: HTTP learns the size from the same HEAD
             return relpath, (self.size(relpath), identity)
@@ -118,8 +112,9 @@ class BaseSource:
         if expected is not None and actual != expected:
             raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
 
-    def _tail_by_size(self, relpath: str, length: int) -> tuple[bytes, int]:
-        """``read_tail`` in two steps: the file's size, then a range of its last bytes."""
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
+        """The file's size, then a range of its last bytes."""
+        check_tail(relpath, length)
         size = self.size(relpath)
         count = min(length, size)
         return self.read_range(relpath, size - count, count), size
@@ -141,7 +136,7 @@ def byte_range(offset: int, length: int) -> str:
 
 
 class LocalSource(BaseSource):
-    """A dataset in a local folder, read with ``os.pread``."""
+    """A dataset in a local folder."""
 
     def __init__(self, root: str | Path) -> None:
         super().__init__()
@@ -155,10 +150,6 @@ class LocalSource(BaseSource):
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         return self._read(relpath, offset, length)
-
-    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
-        check_tail(str(self._path(relpath)), length)
-        return self._tail_by_size(relpath, length)
 
     def size(self, relpath: str) -> int:
         return self._stat(relpath).st_size
@@ -176,27 +167,17 @@ class LocalSource(BaseSource):
         """``length`` bytes at ``offset``; ``None`` means to the end of the file."""
         path = self._path(relpath)
         check_span(str(path), offset, length or 0)
-        with self._os_errors(relpath, path):
-            fd = os.open(path, os.O_RDONLY)
-            try:  # the open descriptor pins one version of the file: its identity is checked
-                status = os.fstat(fd)
-                if length is None:
-                    length = max(0, status.st_size - offset)
-                parts, done = [], 0
-                while done < length:
-                    part = os.pread(fd, length - done, offset + done)
-                    if not part:
-                        break
-                    parts.append(part)
-                    done += len(part)
-            finally:
-                os.close(fd)
-        where = f"{path} {byte_range(offset, length)}"
+        with self._os_errors(relpath, path), open(path, "rb") as file:
+            status = os.fstat(file.fileno())  # of the version read: its identity is checked
+            file.seek(offset)
+            data = file.read(length)  # fewer bytes only at the end of the file
+        asked = len(data) if length is None else length
+        where = f"{path} {byte_range(offset, asked)}"
         self._check_identity(relpath, _local_identity(status), where)
-        self._count(requests=1, bytes=done)
-        if done != length:
-            raise ShortRead(f"{where}: got {done} of {length} bytes (end of file)")
-        return b"".join(parts)
+        self._count(requests=1, bytes=len(data))
+        if len(data) != asked:
+            raise ShortRead(f"{where}: got {len(data)} of {asked} bytes (end of file)")
+        return data
 
     def _stat(self, relpath: str) -> os.stat_result:
         path = self._path(relpath)
@@ -220,10 +201,7 @@ def _local_identity(st: os.stat_result) -> str:
 
 class RangeFile(io.RawIOBase):
     """A read-only, seekable file over one source file; every read is one ``read_range``,
-    except reads that lie inside ``tail`` (the file's last bytes, already fetched).
-
-    ``reads`` and ``bytes_read`` count what went through this view (for tests and benches).
-    """
+    except reads that lie inside ``tail`` (the file's last bytes, already fetched)."""
 
     def __init__(self, source: Source, relpath: str, size: int | None = None,
                  tail: bytes = b"") -> None:
@@ -235,20 +213,12 @@ class RangeFile(io.RawIOBase):
             raise UsageError(f"{relpath}: a tail of {len(tail)} bytes in a {self._size}-byte file")
         self._tail = tail
         self._position = 0
-        self.reads = 0
-        self.bytes_read = 0
 
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
         return True
-
-    def size(self) -> int:
-        return self._size
-
-    def tell(self) -> int:
-        return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
@@ -277,6 +247,4 @@ class RangeFile(io.RawIOBase):
             return self._tail[at : at + length]
         data = self.source.read_range(self.relpath, self._position, length)
         self._position += length
-        self.reads += 1
-        self.bytes_read += length
         return data
