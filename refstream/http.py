@@ -109,24 +109,21 @@ def judge_response(
     if status in RETRY_STATUSES:
         after_s = parse_retry_after(headers.get("Retry-After"), now)
         return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
+    if status == 200 and not asked_range:
+        size = _decimal(headers.get("Content-Length"))
+        return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
     if status == 206 and asked_range:
         got_first, got_last, total = _content_range(headers, known_size, where)
-        if suffix is not None:
-            if total is None or (got_first, got_last) != (max(0, total - suffix), total - 1):
-                raise _bad_content_range(headers, where)
-            answer = total - got_first
-            return Accept(body_bytes=answer, skip_bytes=0, file_size=total, answer_bytes=answer)
-        first, last = first_last
+        if first_last is None and total is None:  # a suffix is only known with the size
+            raise _bad_content_range(headers, where)
+        first, last = first_last or _suffix_range(suffix, total)
         if (got_first, got_last) != (first, last):
             if got_first == first and total is not None and got_last == total - 1 < last:
                 raise ShortRead(f"{where}: file has only {total} bytes")
             raise _bad_content_range(headers, where)
         length = last - first + 1
         return Accept(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
-    if status == 200 and not asked_range:
-        size = _decimal(headers.get("Content-Length"))
-        return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
-    if status == 200:  # the server ignored Range
+    if status == 200 and asked_range:  # the server ignored Range
         if "Content-Range" in headers:
             raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
         total = _decimal(headers.get("Content-Length"))
@@ -138,11 +135,7 @@ def judge_response(
             raise BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
                                    f"({total} bytes > {whole_body_cap_bytes}-byte cap)")
         _check_size(known_size, total, where)
-        if suffix is not None:
-            answer = min(suffix, total)
-            return Accept(body_bytes=total, skip_bytes=total - answer, file_size=total,
-                          answer_bytes=answer)
-        first, last = first_last
+        first, last = first_last or _suffix_range(suffix, total)
         if total <= last:
             raise ShortRead(f"{where}: file has only {total} bytes")
         return Accept(body_bytes=total, skip_bytes=first, file_size=total,
@@ -157,6 +150,11 @@ def judge_response(
         extra = headers.get("Content-Range", "")
         raise BadRangeResponse(f"{where}: HTTP 416 range not satisfiable {extra}".rstrip())
     raise HTTPStatusError(f"{where}: HTTP {status}")
+
+
+def _suffix_range(suffix: int, size: int) -> tuple[int, int]:
+    """The first and last byte of a file's last ``suffix`` bytes (last < first when empty)."""
+    return max(0, size - suffix), size - 1
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
@@ -180,8 +178,7 @@ def _decimal(text: str | None) -> int | None:
 
 
 def _content_range(headers, known_size: int | None, where: str) -> tuple[int, int, int | None]:
-    """``(first, last, total)`` of a 206's ``Content-Range: bytes F-L/T`` (``total`` None for
-    ``*``), checked against the size seen before."""
+    """``(first, last, total)`` of a 206's ``Content-Range`` (``total`` None for ``*``)."""
     match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
     if match is None:
         raise _bad_content_range(headers, where)
@@ -282,7 +279,7 @@ class HTTPSource(BaseSource):
         where = f"{url} bytes -{length}"  # HTTP's suffix form: the last `length` bytes
         answer = self._get(url, where, relpath, suffix=length)
         if isinstance(answer, FallBack):
-            return self._tail_by_size(relpath, length)  # the size from HEAD, then a range
+            return super().read_tail(relpath, length)  # the size from HEAD, then a range
         with self._lock:
             return answer[0], self._sizes[relpath]
 
@@ -310,14 +307,45 @@ class HTTPSource(BaseSource):
         self, url: str, where: str, relpath: str | None = None, *,
         first_last: tuple[int, int] | None = None, suffix: int | None = None,
     ) -> tuple[bytes, Mapping[str, str]] | FallBack:
-        """GET ``url`` (whole, bytes ``first_last`` or the last ``suffix``), with retries: the
-        answer and the response's headers, or the judge's FallBack."""
-        return self._retrying(where, lambda: self._attempt(url, where, relpath, first_last,
-                                                           suffix))
+        """GET ``url`` (see :func:`judge_response`), retried: the answer and the headers."""
+        headers = {}
+        if first_last is not None:
+            headers["Range"] = f"bytes={first_last[0]}-{first_last[1]}"
+        if suffix is not None:
+            headers["Range"] = f"bytes=-{suffix}"
+
+        def attempt() -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
+            response, hops = self._send("GET", url, headers, where)
+            with contextlib.closing(response):
+                with self._lock:
+                    known = None if relpath is None else self._sizes.get(relpath)
+                decision = judge_response(
+                    response.status_code, response.headers, first_last=first_last,
+                    suffix=suffix, known_size=known,
+                    whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
+                )
+                if not isinstance(decision, Accept):
+                    return decision
+                body, broken = self._read_body(response, decision.body_bytes)
+            expected = decision.body_bytes
+            if broken or (expected is not None and len(body) < expected):
+                of = "" if expected is None else f" of {expected}"
+                return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
+            if expected is not None and len(body) > expected:
+                raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
+            if relpath is not None:
+                if decision.file_size is not None:
+                    with self._lock:
+                        self._sizes.setdefault(relpath, decision.file_size)
+                self._check_identity(relpath, _identity_of(hops), where)
+            if decision.answer_bytes is not None:
+                body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
+            return body, response.headers
+
+        return self._retrying(where, attempt)
 
     def _retrying(self, where: str, attempt: Callable[[], _T | Retry]) -> _T:
-        """Run ``attempt`` until it returns anything but a :class:`Retry`, at most
-        ``max_attempts`` times; a connection that fails before any answer is a Retry too."""
+        """Run ``attempt`` until it returns no :class:`Retry` (a failed connection is one)."""
         policy = self.retry
         for number in range(1, policy.max_attempts + 1):
             try:
@@ -337,41 +365,6 @@ class HTTPSource(BaseSource):
         raise RetriesExhausted(
             f"{where}: failed {policy.max_attempts} times; last: {outcome.cause}"
         ) from outcome.cause
-
-    def _attempt(
-        self, url: str, where: str, relpath: str | None, first_last: tuple[int, int] | None,
-        suffix: int | None,
-    ) -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
-        headers = {}
-        if first_last is not None:
-            headers["Range"] = f"bytes={first_last[0]}-{first_last[1]}"
-        if suffix is not None:
-            headers["Range"] = f"bytes=-{suffix}"
-        response, hops = self._send("GET", url, headers, where)
-        with contextlib.closing(response):
-            with self._lock:
-                known = None if relpath is None else self._sizes.get(relpath)
-            decision = judge_response(
-                response.status_code, response.headers, first_last=first_last, suffix=suffix,
-                known_size=known, whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
-            )
-            if not isinstance(decision, Accept):
-                return decision
-            body, broken = self._read_body(response, decision.body_bytes)
-        expected = decision.body_bytes
-        if broken or (expected is not None and len(body) < expected):
-            of = "" if expected is None else f" of {expected}"
-            return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
-        if expected is not None and len(body) > expected:
-            raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
-        if relpath is not None:
-            if decision.file_size is not None:
-                with self._lock:
-                    self._sizes.setdefault(relpath, decision.file_size)
-            self._check_identity(relpath, _identity_of(hops), where)
-        if decision.answer_bytes is not None:
-            body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
-        return body, response.headers
 
     def _head(self, relpath: str) -> tuple[int, str]:
         """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
@@ -443,8 +436,7 @@ class HTTPSource(BaseSource):
         raise HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
 
     def _read_body(self, response: requests.Response, limit: int | None) -> tuple[bytes, str]:
-        """The body, stopping after ``limit + 1`` bytes, and ``""`` — or, when the connection
-        broke, what arrived and a note saying how."""
+        """The body up to ``limit + 1`` bytes, and how the connection broke (``""`` if not)."""
         parts, done = [], 0
         try:
             for chunk in response.iter_content(_CHUNK_BYTES):

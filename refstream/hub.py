@@ -15,6 +15,7 @@ sent to the endpoint's origin only, never to the CDN the Hub redirects to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,8 +38,6 @@ __all__ = [
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-# A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _NEXT_PAGE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')  # in a Link header
 # What a remembered redirect target answers once its signature expired (S3/CloudFront: 403).
 _EXPIRED_TARGET_STATUSES = frozenset({401, 403, 404, 410})
@@ -109,8 +108,7 @@ def hub_endpoint(endpoint: str | None = None) -> str:
 def open_hf_source(
     root: str, *, endpoint: str | None = None, token: str | None = None, **http_options
 ) -> HTTPSource:
-    """An :class:`HTTPSource` for ``hf://datasets/…`` (pinned to a commit) or ``hf://buckets/…``;
-    ``token`` defaults to ``$HF_TOKEN``, ``http_options`` are HTTPSource arguments."""
+    """The source of an ``hf://`` root; ``http_options`` are :class:`HTTPSource` arguments."""
     endpoint = hub_endpoint(endpoint)
     token = token if token is not None else os.environ.get("HF_TOKEN") or None
     hf = parse_hf_root(root)
@@ -120,9 +118,13 @@ def open_hf_source(
     commit = hf.revision
     api_url = hf.revision_api_url(endpoint)
     if api_url is not None:
-        answer = _api_json(endpoint, api_url, options)
-        commit = str(answer.get("sha", "")) if isinstance(answer, dict) else ""
-        if not _COMMIT.fullmatch(commit):
+        with contextlib.closing(HTTPSource(endpoint, **options)) as api:
+            body = api.get_url(api_url)[0]
+        try:
+            commit = json.loads(body)["sha"]
+        except (ValueError, KeyError, TypeError):
+            commit = None
+        if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
             raise FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
     options["label"] = pinned_root(root, f"commit:{commit}")
     return HubSource(hf, endpoint, commit, **options)
@@ -154,20 +156,15 @@ class HubSource(HTTPSource):
         for folder in sorted({relpath.rpartition("/")[0].split("/")[0] for relpath in wanted}):
             path = quote((self._prefix + folder).rstrip("/"), safe="/")
             url = f"{self._tree_url}{'/' if path else ''}{path}?recursive=true"
-            while url:
-                body, next_url = self._page(url)
+            while url:  # one page, then the next one its Link header names
+                body, headers = self.get_url(url)
                 found.update(self._listed(url, body))
-                url = next_url
+                after = _NEXT_PAGE.search(headers.get("Link", ""))
+                url = urljoin(url, after[1]) if after else None
         missing = sorted(wanted - set(found))
         if missing:
             raise MalformedDataset(f"{missing[0]}: missing from dataset root {self.label}")
         return {relpath: found[relpath] for relpath in sorted(wanted)}
-
-    def _page(self, url: str) -> tuple[bytes, str | None]:
-        """One page of a listing, and the URL of the next one its ``Link`` header names."""
-        body, headers = self.get_url(url)
-        after = _NEXT_PAGE.search(headers.get("Link", ""))
-        return body, urljoin(url, after[1]) if after else None
 
     def _send(
         self, method: str, url: str, headers: dict[str, str], where: str
@@ -203,23 +200,3 @@ class HubSource(HTTPSource):
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FetchError(f"{url}: not a tree listing ({type(exc).__name__}: {exc})") from exc
 
-
-def check_not_a_repo_id(root: str) -> None:
-    """UsageError when ``root``, a path with nothing behind it, reads as a Hub repository id
-    ``OWNER/NAME``: the message shows how a Hub dataset is written."""
-    if _REPO_ID.fullmatch(root):
-        raise UsageError(f"{root!r} is not a folder here; a dataset on the Hugging Face Hub "
-                         f"is written hf://datasets/{root}")
-
-
-def _api_json(endpoint: str, url: str, options: dict) -> object:
-    """The JSON answer of one Hub API call, sent with ``options`` (token, retries, timeouts)."""
-    api = HTTPSource(endpoint, **options)
-    try:
-        body = api.get_url(url)[0]
-    finally:
-        api.close()
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise FetchError(f"{url}: response is not JSON") from exc
