@@ -55,8 +55,7 @@ def load_stats(source: Source) -> Stats | None:
 
 
 def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
-    """The statistics of ``episodes`` alone, combined from their own in the episodes table;
-    reads only the episodes files that hold them."""
+    """The statistics of ``episodes`` alone, from the episodes files that hold theirs."""
     rows = [meta.row(int(e)) for e in episodes]
     found: dict[int, Stats] = {}
     first = 0
@@ -77,8 +76,7 @@ def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) 
 
 
 def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
-    """``meta/stats.json`` as arrays (SPEC §4.7); :class:`MalformedDataset` names the feature and
-    stat that is not a rectangular array of numbers."""
+    """``meta/stats.json`` as arrays (SPEC §4.7)."""
     try:
         document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -95,8 +93,7 @@ def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
 
 
 def episode_stats(table: pa.Table, where: str = "meta/episodes") -> list[Stats]:
-    """Each row's statistics from its ``stats/<feature>/<stat>`` columns (SPEC §4.7), in row
-    order; a table without such columns gives empty dicts."""
+    """Each row's statistics from its ``stats/<feature>/<stat>`` columns (SPEC §4.7)."""
     columns = [name for name in table.column_names if name.startswith("stats/")]
     rows: list[Stats] = [{} for _ in range(table.num_rows)]
     for name in columns:

@@ -28,7 +28,7 @@ from refstream.errors import (
     UnsafePath,
     UsageError,
 )
-from refstream.http import HTTPSource, RetryPolicy, parse_retry_after
+from refstream.http import HTTPSource, RetryPolicy, judge_response, parse_retry_after
 from refstream.hub import open_hf_source
 from refstream.source import LocalSource, RangeFile, open_source
 from refstream.tools.conformance import first_difference, in_process, load_cases
@@ -234,6 +234,14 @@ def test_parse_retry_after_seconds_and_http_date():
                              now) == 90.0
     assert parse_retry_after(format_datetime(now - timedelta(seconds=5), usegmt=True), now) == 0.0
     assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def test_decimals_are_ascii_digits_only():
+    assert parse_retry_after("\u0663") is None  # ARABIC-INDIC DIGIT THREE: not a decimal
+    with pytest.raises(BadRangeResponse, match="no Content-Length"):
+        judge_response(200, {"Content-Length": "\u0661\u0660"}, first_last=(0, 9))
+    with pytest.raises(BadRangeResponse, match="206"):
+        judge_response(206, {"Content-Range": "bytes 0-\u0669/10"}, first_last=(0, 9))
 
 
 def test_backoff_is_full_jitter_under_the_cap():

@@ -88,6 +88,7 @@ def test_quantiles_combine_count_weighted():
     (b'{"action": {"mean": [1, [2]]}}', "action/mean"),
     (b'{"action": {"count": [2.5]}}', "action/count"),
     (b'{"action": {"median": [1]}}', "median"),
+    ('{"action": {"q\u0665\u0660": [1]}}'.encode(), "action/q"),  # not ASCII digits
 ])
 def test_malformed_stats_name_the_feature_and_stat(text, fragment):
     with pytest.raises(MalformedDataset, match=fragment.replace("[", r"\[")):
