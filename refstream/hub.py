@@ -69,8 +69,7 @@ class HfRoot:
 
 
 def parse_hf_root(root: str) -> HfRoot:
-    """Split ``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` or ``hf://buckets/OWNER/NAME[/PREFIX]``
-    (else UsageError, or UnsafePath for the prefix)."""
+    """The parts of an ``hf://`` root (SPEC §8.4)."""
     kind, _, rest = root.removeprefix("hf://").partition("/")
     parts = rest.split("/")
     if not root.startswith("hf://") or kind not in ("datasets", "buckets") or len(parts) < 2 \
@@ -131,9 +130,8 @@ def open_hf_source(
 
 
 class HubSource(HTTPSource):
-    """An :class:`HTTPSource` on one commit of a Hub dataset: every file's identity is the
-    commit, its content identity comes from the commit's tree listing, and a redirect target is
-    remembered until it expires (SPEC §8.2)."""
+    """An :class:`HTTPSource` on one commit of a Hub dataset: the commit is every file's identity,
+    the tree listing gives content identities, and redirect targets are remembered (SPEC §8.2)."""
 
     def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
         super().__init__(hf.base_url(endpoint, commit), **options)
