@@ -270,9 +270,8 @@ def _walk(consumed: int, rests: Sequence[int], ordinary: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class Order:
-    """Everything that fixes every worker's plan besides the topology and the position: the
-    selection and the planner settings. ``byte_sizes`` (one per episode) is needed only to
-    replay other workers under a byte budget."""
+    """The selection and the planner settings; ``byte_sizes`` (one per episode) is needed only
+    to replay other workers under a byte budget."""
 
     episodes: tuple[int, ...]
     frames: tuple[int, ...]
@@ -305,9 +304,8 @@ class _Epoch:
 
 
 class Course:
-    """Every rank's and worker's plans under one topology (SPEC §3.9): the rest of the epochs in
-    progress of ``delivered``, then ordinary epochs (whose shares must all hold episodes, else
-    ShardingError)."""
+    """Every rank's and worker's plans under one topology: the rest of the epochs in progress,
+    then ordinary epochs (SPEC §3.9, Plans; ShardingError for an empty ordinary share)."""
 
     def __init__(self, order: Order, delivered: Delivered, world_size: int, num_workers: int,
                  batch_size: int) -> None:
@@ -418,6 +416,5 @@ def _check_whole_batches(samples: int, batch_size: int) -> None:
 
 
 def _batches(frames: int, batch_size: int) -> int:
-    """The batches a worker fills from ``frames`` anchors: ⌈frames / batch_size⌉, the last one
-    possibly short."""
+    """The batches a worker fills from ``frames`` anchors, the last one possibly short."""
     return -(-frames // batch_size)

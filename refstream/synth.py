@@ -52,7 +52,9 @@ class Matches:
 
     def unserved(self, count: int) -> np.ndarray:
         """Positions (int64, ascending) of the ``count`` requests no sample serves."""
-        return np.setdiff1d(np.arange(count), self.request).astype(np.int64)
+        missing = np.ones(count, bool)
+        missing[self.request] = False
+        return np.flatnonzero(missing)
 
 
 def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
@@ -132,9 +134,9 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
     finite = finite[np.isfinite(finite)]
     if not len(finite):
         return slice(0, 0)
-    limit = 2.0**62  # seconds × timescale may overflow: clip to ticks no file reaches
-    low_ticks = np.clip((finite.min() - tolerance_s) * index.timescale, -limit, limit)
-    high_ticks = np.clip((finite.max() + tolerance_s) * index.timescale, -limit, limit)
+    limit = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
+    low_ticks = max(-limit, min(limit, (float(finite.min()) - tolerance_s) * index.timescale))
+    high_ticks = max(-limit, min(limit, (float(finite.max()) + tolerance_s) * index.timescale))
     low, high = index.composition_range
     return slice(int(np.searchsorted(index.dts, math.floor(low_ticks) - 2 - high, "left")),
                  int(np.searchsorted(index.dts, math.ceil(high_ticks) + 2 - low, "right")))
