@@ -161,11 +161,7 @@ class Planner:
         slots = array("I" if wide else "B", places.tobytes())
         frames_left, done, drained = self._pool_frames_left, 0, -1
         while done < n and drained < 0:
-            draw = self._emitted + done - self._draw_words_start
-            if not 0 <= draw < len(self._draw_words):
-                self._refill_draws(self._emitted + done)
-                draw = 0
-            words = self._draw_words
+            words, draw = self._draw_words_at(self._emitted + done)
             for i in range(draw, min(len(words), draw + n - done)):
                 t = (words[i] * frames_left) >> 64  # below(R, draw key, n)
                 place = slots[t]
@@ -201,12 +197,9 @@ class Planner:
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
-            draw = self._emitted - self._draw_words_start
-            if not 0 <= draw < len(self._draw_words):
-                self._refill_draws(self._emitted)
-                draw = 0
+            words, draw = self._draw_words_at(self._emitted)
             # below(R, draw key, n) = (u64 · R) >> 64, then the walk over residents.
-            t = (self._draw_words[draw] * self._pool_frames_left) >> 64
+            t = (words[draw] * self._pool_frames_left) >> 64
             for episode, left in self._left.items():
                 if t < left:
                     return episode
@@ -220,21 +213,21 @@ class Planner:
         self._round_pos += 1
         return self._round[self._round_pos - 1]
 
-    def _refill_draws(self, start: int) -> None:
-        """Compute the draw words ``start …`` of a block at once."""
-        indices = np.arange(start, start + _DRAW_BLOCK, dtype=np.uint64)
-        self._draw_words = u64_array(self._draw_key, indices).tolist()
-        self._draw_words_start = start
+    def _draw_words_at(self, n: int) -> tuple[list[int], int]:
+        """The block of draw words holding word ``n``, and its place in it."""
+        if not 0 <= n - self._draw_words_start < len(self._draw_words):
+            indices = np.arange(n, n + _DRAW_BLOCK, dtype=np.uint64)
+            self._draw_words = u64_array(self._draw_key, indices).tolist()
+            self._draw_words_start = n
+        return self._draw_words, n - self._draw_words_start
 
     def _take(self, episode: int) -> None:
         """Count one anchor of ``episode``; after its last one, evict it and admit."""
         self._emitted += 1
         self._pool_frames_left -= 1
-        left = self._left[episode] - 1
-        if left:
-            self._left[episode] = left
-            return
-        self._evict(episode)
+        self._left[episode] -= 1
+        if not self._left[episode]:
+            self._evict(episode)
 
     def _evict(self, episode: int) -> None:
         """``episode`` has emitted its last anchor: it leaves the pool, and others come in."""
