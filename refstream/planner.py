@@ -48,8 +48,7 @@ _DRAW_BLOCK = 4096
 
 
 class Planner:
-    """One worker's anchors in one epoch. Arguments as SPEC §3.1 says (else UsageError);
-    ``seed=None`` is the default seed."""
+    """One worker's anchors in one epoch; arguments as SPEC §3.1 says, else UsageError."""
 
     def __init__(
         self,
@@ -143,8 +142,7 @@ class Planner:
         return episode, frame
 
     def skip(self, n: int) -> None:
-        """Advance ``n`` anchors exactly as ``n`` calls of ``next`` would (events included),
-        without computing their frames; UsageError past the end of the epoch."""
+        """The state after ``n`` more anchors, events included, without their frames (§3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         skip_run = self._skip_draws if self._strategy == "pool" else self._skip_rounds

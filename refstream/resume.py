@@ -89,8 +89,7 @@ class ResumeState:
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
-        """The state a checkpoint dict holds; ResumeError naming the field that breaks SPEC
-        §3.6."""
+        """The state in a checkpoint dict; ResumeError names a field that breaks SPEC §3.6."""
         if not isinstance(state, dict):
             raise ResumeError(f"a resume state is a dict, not {type(state).__name__}")
         setup_names = [f.name for f in fields(ResumeSetup)]
@@ -186,8 +185,7 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
-    """The batches every rank yields in a finite distributed epoch, given the frame total of
-    every worker share of every rank (SPEC §3.7)."""
+    """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if not world_worker_frames:
@@ -399,8 +397,7 @@ class Course:
 
 
 def delivered_by(order: Order, epoch: int, history: Sequence[Segment]) -> Delivered:
-    """What the topologies of ``history`` delivered, one after the other, from the start of
-    ``epoch`` (SPEC §3.9)."""
+    """What the segments of ``history`` delivered in turn from ``epoch`` on (SPEC §3.9)."""
     delivered = Delivered(epoch)
     for segment in history:
         course = Course(order, delivered, segment.world_size, segment.num_workers,

@@ -278,8 +278,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
 
 
 class MappedIndex(Mapping):
-    """``relpath -> SampleIndex`` over a :class:`VideoIndex`'s records, each mapped read-only on
-    first use."""
+    """``relpath -> SampleIndex`` of a :class:`VideoIndex`, each mapped read-only on first use."""
 
     def __init__(self, index: VideoIndex) -> None:
         self.index = index
@@ -382,8 +381,7 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
 
 def _index_files(source: Source, records: dict[str, Record], workers: int,
                  indexer: Indexer | None) -> int:
-    """Index every file of ``records``, installing each record as its file finishes; the bytes
-    read from the source."""
+    """Index every file of ``records`` and install each record as it finishes; bytes read."""
     indexer = indexer or parse_index
 
     def index_one(relpath: str, record: Record) -> None:

@@ -98,8 +98,7 @@ class Span:
 
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
-    """The minimal span serving every time the episode can request (SPEC §7.1), found in the
-    window of samples that can present near those times."""
+    """The minimal span serving every time the episode can request (SPEC §7.1)."""
     if not (to_s >= from_s and tolerance_s >= 0):
         raise UsageError(f"{index.path}: bad span request from_s={from_s} to_s={to_s}"
                          f" tolerance_s={tolerance_s}")
@@ -174,8 +173,7 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
 
 def request_times_s(meta: DatasetMeta, episode: int, camera: str,
                     timestamps_s: np.ndarray) -> np.ndarray:
-    """float64 source-file seconds at which rows with ``timestamps_s`` query ``camera`` (SPEC
-    §9.1)."""
+    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``."""
     from_s = float(meta.video_from_s[camera][meta.row(episode)])
     return from_s + np.asarray(timestamps_s).astype(np.float64)
 
