@@ -295,7 +295,7 @@ class Delivered:
 class _Epoch:
     """One epoch under one topology: its shares, their anchors, the rank's batches."""
 
-    delivered: np.ndarray | None  # per episode; None = an ordinary epoch
+    delivered: np.ndarray  # frames delivered before, per episode (all 0: an ordinary epoch)
     shares: list[list[list[int]]]  # [rank][worker] -> episodes
     lengths: list[list[int]]  # [rank][worker] -> anchors of the plan
     rank_batches: int | None  # None with repeat
@@ -313,17 +313,17 @@ class Course:
         self._frames = np.asarray(order.frames, dtype=np.int64)
         self._limits = split_limits(num_workers, pool_size=order.pool_size,
                                     byte_budget=order.byte_budget, decoder_cache=None, cameras=0)
-        self._ordinary = self._plan(None)
+        self._ordinary = self._plan(np.zeros_like(self._frames))
         self._open = [self._plan(counts) for counts in delivered.counts]
 
-    def _plan(self, delivered: np.ndarray | None) -> _Epoch:
-        left = self._frames if delivered is None else self._frames - delivered
+    def _plan(self, delivered: np.ndarray) -> _Epoch:
+        left = self._frames - delivered
         episodes, counts = list(self.order.episodes), left.tolist()
         shares = []
         for ids in lpt_partition(episodes, counts, self.world_size):
             shares.append(lpt_partition(ids, [counts[self._index[e]] for e in ids],
                                         self.num_workers))
-        if delivered is None:
+        if not delivered.any():
             for rank, parts in enumerate(shares):
                 if not all(parts):  # ShardingError saying what to use instead
                     ids = rank_share(episodes, counts, rank, self.world_size)
@@ -360,8 +360,7 @@ class Course:
             share, self._frames[at].tolist(), seed=self.order.seed, epoch=epoch, rank=rank,
             worker=worker, strategy=self.order.strategy, pool_size=self._limits.pool_size,
             byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
-            byte_budget=budget,
-            delivered=None if plan.delivered is None else plan.delivered[at].tolist())
+            byte_budget=budget, delivered=plan.delivered[at].tolist())
 
     def after(self, samples: int) -> Delivered:
         """What has been delivered once every rank consumed ``samples`` with this topology."""
@@ -375,11 +374,7 @@ class Course:
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),
                     self.delivered.first + len(self.delivered.counts) - 1])
-        counts = []
-        for epoch in range(first, last + 1):
-            plan = self._epoch(epoch)
-            counts.append(np.zeros_like(self._frames) if plan.delivered is None
-                          else plan.delivered.copy())
+        counts = [self._epoch(epoch).delivered.copy() for epoch in range(first, last + 1)]
         for rank, start in enumerate(starts):
             for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets,
                                                          strict=True)):
