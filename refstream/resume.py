@@ -214,11 +214,9 @@ def resume_positions(
     remainders: Sequence[tuple[Sequence[int], int | None]] = (),
 ) -> ResumePositions:
     """Where every logical worker starts after the rank consumed ``samples`` since ``epoch``
-    began (SPEC §3.6, Worker positions); ``worker_frames[w]`` is the frame total of logical
-    worker ``w``'s share and ``rank_batches`` the :func:`epoch_batches` of a finite distributed
-    epoch (default: all the rank's batches). ``remainders[i]``, when epochs ``epoch + i`` are
-    the rest of epochs in progress, are each worker's anchors and the rank's batches (None: all)
-    in that epoch (SPEC §3.9, Positions); ordinary epochs follow."""
+    began (SPEC §3.6, Worker positions; ``rank_batches``: §3.7). ``remainders[i]``, when epoch
+    ``epoch + i`` is the rest of one in progress, are each worker's anchors and the rank's
+    batches (None: all) in it (SPEC §3.9, Positions); ordinary epochs follow."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if epoch < 0 or samples < 0:
