@@ -1,6 +1,7 @@
-"""The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk as
-one *record* per file content so that training starts without reading a ``moov`` again (SPEC
-§10). Use::
+"""The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk so that
+training starts without reading a ``moov`` again (SPEC §10). A *record* is named by the file's
+size and content (:func:`record_name`): every root, revision and copy of the video shares it.
+Use::
 
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
