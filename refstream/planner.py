@@ -1,10 +1,7 @@
-"""The exact-coverage plan of one DataLoader worker for one epoch (SPEC §3.1–3.5).
+"""One DataLoader worker's exact-coverage plan for one epoch (SPEC §3.1–3.5).
 
 A :class:`Planner` is an iterator of *anchors* ``(episode, frame)`` over one worker's share. It
-keeps a bounded set of *resident* episodes (those whose bytes the I/O layer holds), emits the
-next anchor from them by ``strategy`` (``"pool"``: draws weighted by the frames left;
-``"round_robin"``: keyed rounds over the residents) and admits waiting episodes as residents
-drain. It never waits and does no I/O; the stream follows it. Use::
+does no I/O and never waits: the stream fetches what it admits and follows its order. Use::
 
     planner = Planner(share, frames, seed=s, epoch=e, rank=r, worker=w, strategy="pool",
                       pool_size=p, byte_sizes=sizes, byte_budget=b)   # sizes and budget optional
@@ -14,17 +11,13 @@ drain. It never waits and does no I/O; the stream follows it. Use::
         planner.frontier(k)                          # the next k to admit: prefetch candidates
     planner.emitted()                           # {episode: frames emitted so far}
 
-``delivered`` (optional, one count per episode) plans the rest of an epoch whose first
-``delivered[i]`` frames of episode ``i``'s keyed order were emitted already (SPEC §3.9); the
-planner emits the rest of each episode's order and weighs it by what is left.
+``delivered`` (one count per episode) plans the rest of an epoch whose first ``delivered[i]``
+frames of each episode's keyed order were emitted already (SPEC §3.9).
 
-Invariants: every frame of every episode of the share (past its delivered ones) is emitted
-exactly once, then ``StopIteration``; the order is a pure function of the arguments and the keys
-of SPEC §1.2, so another implementation reproduces it anchor for anchor; at every step
-``len(resident) ≤ pool_size`` and the residents' byte sizes sum to at most ``byte_budget``. An
-episode larger than the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at
-construction, before anything is fetched. Where a resumed worker starts is
-:mod:`refstream.resume`'s business.
+Invariants: every frame of the share not delivered before is emitted exactly once; the order is
+a pure function of the arguments and the keys of SPEC §1.2; ``len(resident) ≤ pool_size`` and
+the residents' byte sizes sum to at most ``byte_budget`` at every step. An episode larger than
+the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at construction.
 """
 
 from __future__ import annotations
@@ -55,10 +48,7 @@ _DRAW_BLOCK = 4096
 
 
 class Planner:
-    """One worker's exact-coverage plan for one epoch; an iterator of ``(episode, frame)``.
-
-    Arguments are SPEC §3.1's (UsageError when they break it); ``seed=None`` is the default seed.
-    """
+    """One worker's anchors in one epoch; arguments as SPEC §3.1 says, else UsageError."""
 
     def __init__(
         self,
@@ -128,8 +118,7 @@ class Planner:
         return {e: n for e, n in counts.items() if n}
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        """``(admitted, evicted)`` episodes since the last call, each in event order (SPEC
-        §3.4)."""
+        """``(admitted, evicted)`` episodes since the last call, each in event order."""
         events = (self._admitted_events, self._evicted_events)
         self._admitted_events, self._evicted_events = [], []
         return events
@@ -153,8 +142,7 @@ class Planner:
         return episode, frame
 
     def skip(self, n: int) -> None:
-        """Advance ``n`` anchors exactly as ``n`` calls of ``next`` would (events included),
-        without computing their frames; UsageError past the end of the epoch."""
+        """The state after ``n`` more anchors, events included, without their frames (§3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         skip_run = self._skip_draws if self._strategy == "pool" else self._skip_rounds
@@ -162,22 +150,16 @@ class Planner:
             n -= skip_run(n)
 
     def _skip_draws(self, n: int) -> int:
-        """Emit up to ``n`` pool draws without frames, stopping after the next eviction; the
-        count emitted. The draw of :meth:`_choose` on a list of the pool's frames left, one
-        slot each, grouped by resident in admission order: slot ``t`` is the chosen resident
-        (the walk's answer), and deleting it keeps the groups in order."""
+        """Emit up to ``n`` pool draws without frames, up to the next eviction; how many. Slot
+        ``t`` of a list of the residents' frames left, grouped in admission order, is the
+        resident :meth:`_choose`'s walk finds; deleting it keeps the groups in order."""
         episodes, lefts = list(self._left), list(self._left.values())
-        if len(episodes) <= 256:
-            slots = bytearray(b"".join(bytes((i,)) * left for i, left in enumerate(lefts)))
-        else:
-            slots = array("I", [i for i, left in enumerate(lefts) for _ in range(left)])
+        wide = len(episodes) > 256  # else a slot is one byte: deleting one moves fewer bytes
+        places = np.repeat(np.arange(len(lefts), dtype=np.uint32 if wide else np.uint8), lefts)
+        slots = array("I" if wide else "B", places.tobytes())
         frames_left, done, drained = self._pool_frames_left, 0, -1
         while done < n and drained < 0:
-            draw = self._emitted + done - self._draw_words_start
-            if not 0 <= draw < len(self._draw_words):
-                self._refill_draws(self._emitted + done)
-                draw = 0
-            words = self._draw_words
+            words, draw = self._draw_words_at(self._emitted + done)
             for i in range(draw, min(len(words), draw + n - done)):
                 t = (words[i] * frames_left) >> 64  # below(R, draw key, n)
                 place = slots[t]
@@ -213,12 +195,9 @@ class Planner:
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
-            draw = self._emitted - self._draw_words_start
-            if not 0 <= draw < len(self._draw_words):
-                self._refill_draws(self._emitted)
-                draw = 0
+            words, draw = self._draw_words_at(self._emitted)
             # below(R, draw key, n) = (u64 · R) >> 64, then the walk over residents.
-            t = (self._draw_words[draw] * self._pool_frames_left) >> 64
+            t = (words[draw] * self._pool_frames_left) >> 64
             for episode, left in self._left.items():
                 if t < left:
                     return episode
@@ -232,21 +211,21 @@ class Planner:
         self._round_pos += 1
         return self._round[self._round_pos - 1]
 
-    def _refill_draws(self, start: int) -> None:
-        """Compute the draw words ``start …`` of a block at once."""
-        indices = np.arange(start, start + _DRAW_BLOCK, dtype=np.uint64)
-        self._draw_words = u64_array(self._draw_key, indices).tolist()
-        self._draw_words_start = start
+    def _draw_words_at(self, n: int) -> tuple[list[int], int]:
+        """The block of draw words holding word ``n``, and its place in it."""
+        if not 0 <= n - self._draw_words_start < len(self._draw_words):
+            indices = np.arange(n, n + _DRAW_BLOCK, dtype=np.uint64)
+            self._draw_words = u64_array(self._draw_key, indices).tolist()
+            self._draw_words_start = n
+        return self._draw_words, n - self._draw_words_start
 
     def _take(self, episode: int) -> None:
         """Count one anchor of ``episode``; after its last one, evict it and admit."""
         self._emitted += 1
         self._pool_frames_left -= 1
-        left = self._left[episode] - 1
-        if left:
-            self._left[episode] = left
-            return
-        self._evict(episode)
+        self._left[episode] -= 1
+        if not self._left[episode]:
+            self._evict(episode)
 
     def _evict(self, episode: int) -> None:
         """``episode`` has emitted its last anchor: it leaves the pool, and others come in."""

@@ -1,10 +1,8 @@
-"""A rank's position in its stream, checkpoints, and the DataLoader replay that restores it.
+"""A rank's position in its stream, its checkpoint, and the DataLoader replay that restores it
+(SPEC §3.6, §3.7, §3.9 and the checkpoint fields of §9.4).
 
-The order of a rank's stream is a pure function of its setup, so a checkpoint is a few integers:
-a :class:`ResumeState` holds the epoch, the samples the rank consumed since that epoch began (a
-whole number of batches), the :class:`ResumeSetup` that fixed the order and, after a resume with
-another topology, the earlier topologies (each a :class:`Segment`). Everything else is
-recomputed. Use::
+The order of a rank's stream is a pure function of its setup, so a checkpoint is a few integers
+(a :class:`ResumeState`); everything else is recomputed. Use::
 
     setup = ResumeSetup(seed=…, strategy=…, …, selection=selection_digest(episodes, frames))
     saved = ResumeState(epoch, samples, setup).to_dict()          # a plain dict for the checkpoint
@@ -17,19 +15,14 @@ recomputed. Use::
 
 DataLoader worker ``p`` plays logical worker ``w = (p + start.rotation) mod N``: it plans epoch
 ``start.epochs[w]``, skips ``start.offsets[w]`` anchors and stops after ``start.stops[w]``; with
-``repeat`` it goes on with the following epochs from offset 0. :func:`resume_positions` and
-:func:`batches_per_worker` are the DataLoader replay underneath; :func:`delivered_by` replays
-every rank and worker of the earlier topologies to find what they delivered (:class:`Delivered`),
-and a :class:`Course` plans the rest of those epochs over the current topology.
+``repeat`` it goes on with the following epochs from offset 0. :func:`delivered_by` replays every
+rank and worker of the earlier topologies (the ``history``) to find what they delivered; a
+:class:`Course` plans the rest of those epochs, then ordinary ones, over the current topology.
 
-Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology
-yields exactly the batches the uninterrupted run would have yielded next; with another topology
-the rest of each epoch in progress holds every frame not delivered before, once; what was
-delivered is a function of the checkpoint alone; a checkpoint of another seed, strategy, pool
-setting, repeat or selection is refused, never reinterpreted.
-
-Implements SPEC §3.6 (replay, checkpoints, worker positions), §3.7 (the distributed end of an
-epoch), §3.9 (resuming with another topology) and the checkpoint fields of §9.4.
+Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology yields
+exactly the batches the uninterrupted run would have yielded next; with another, the rest of each
+epoch in progress holds every frame not delivered before, once; a checkpoint of another seed,
+strategy, pool setting, repeat or selection is refused, never reinterpreted.
 """
 
 from __future__ import annotations
@@ -44,27 +37,14 @@ from refstream.errors import ResumeError, TopologyChanged, UsageError
 from refstream.planner import STRATEGIES, Planner
 from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
-__all__ = [
-    "TOPOLOGY",
-    "ResumeSetup",
-    "Segment",
-    "ResumeState",
-    "ResumePositions",
-    "Order",
-    "Delivered",
-    "Course",
-    "delivered_by",
-    "selection_digest",
-    "batches_per_worker",
-    "epoch_batches",
-    "resume_positions",
-]
+__all__ = ["TOPOLOGY", "ResumeSetup", "Segment", "ResumeState", "ResumePositions", "Order",
+           "Delivered", "Course", "delivered_by", "selection_digest", "batches_per_worker",
+           "epoch_batches", "resume_positions"]
 
 
 @dataclass(frozen=True)
 class ResumeSetup:
-    """Everything that fixes the order of a rank's stream besides the position in it (the
-    checkpoint fields of SPEC §3.6 and §9.4)."""
+    """Everything that fixes the order of a rank's stream besides the position in it."""
 
     seed: int
     strategy: str
@@ -102,46 +82,38 @@ class ResumeState:
     history: tuple[Segment, ...] = ()
 
     def to_dict(self) -> dict:
-        """The flat JSON-ready dict of SPEC §3.6 that :meth:`from_dict` reads back."""
+        """The flat JSON-ready dict that :meth:`from_dict` reads back."""
         history = [[s.world_size, s.num_workers, s.batch_size, s.samples] for s in self.history]
         return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup),
                 "history": history}
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
-        """The state a checkpoint dict holds; ResumeError naming the field that breaks SPEC
-        §3.6 ("Resume state")."""
+        """The state in a checkpoint dict; ResumeError names a field that breaks SPEC §3.6."""
         if not isinstance(state, dict):
             raise ResumeError(f"a resume state is a dict, not {type(state).__name__}")
         setup_names = [f.name for f in fields(ResumeSetup)]
         missing = sorted({"epoch", "samples", *setup_names} - set(state))
         if missing:
             raise ResumeError(f"resume state lacks {missing}")
-        for name in ("epoch", "samples", "seed", "world_size", "num_workers", "batch_size"):
-            value = state[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ResumeError(f"resume state field {name} must be a non-negative integer")
-        for name in ("world_size", "num_workers", "batch_size"):
-            if state[name] < 1:
-                raise ResumeError(f"resume state field {name} must be positive")
+        for name in ("epoch", "samples", "seed", *TOPOLOGY):
+            least = 1 if name in TOPOLOGY else 0
+            if not _integer(state[name], least):
+                raise ResumeError(f"resume state field {name} must be an integer >= {least}")
         for name in ("pool_size", "byte_budget"):
-            value = state[name]
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if state[name] is not None and not _integer(state[name], 1):
                 raise ResumeError(f"resume state field {name} must be null or a positive integer")
         if state["strategy"] not in STRATEGIES or not isinstance(state["repeat"], bool):
             raise ResumeError("resume state has an unknown strategy or a non-boolean repeat")
-        _check_whole_batches(state["samples"], state["batch_size"])
         if not isinstance(state["selection"], str):
             raise ResumeError("resume state field selection must be a string digest")
+        _check_whole_batches(state["samples"], state["batch_size"])
         setup = ResumeSetup(**{name: state[name] for name in setup_names})
-        return cls(epoch=state["epoch"], samples=state["samples"], setup=setup,
-                   history=_history(state.get("history", [])))
+        return cls(state["epoch"], state["samples"], setup, _history(state.get("history", [])))
 
     def resume_with(self, current: ResumeSetup) -> ResumeState:
-        """The state to resume from with ``current`` (SPEC §3.9): itself under the same
-        topology; under another, this topology's samples join the history and ``current``
-        starts at 0. TopologyChanged names every other field that differs as ``name old ->
-        new``."""
+        """The state to resume from with ``current`` (SPEC §3.9, History); TopologyChanged names
+        every other field that differs as ``name old -> new``."""
         changes = [
             f"{f.name} {getattr(self.setup, f.name)!r} -> {getattr(current, f.name)!r}"
             for f in fields(ResumeSetup)
@@ -165,8 +137,7 @@ def _history(entries: object) -> tuple[Segment, ...]:
     history = []
     for item in entries:
         if not (isinstance(item, list) and len(item) == 4
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
-                and min(item[:3]) >= 1 and item[3] >= 0):
+                and all(_integer(size, 1) for size in item[:3]) and _integer(item[3], 0)):
             raise ResumeError(f"resume state history entry {item!r} is not [world_size, "
                               "num_workers, batch_size, samples] with positive sizes")
         _check_whole_batches(item[3], item[2])
@@ -174,9 +145,13 @@ def _history(entries: object) -> tuple[Segment, ...]:
     return tuple(history)
 
 
+def _integer(value: object, least: int) -> bool:
+    """Whether ``value`` is an integer (a bool is not) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
-    """The ``selection`` field of a checkpoint: a SHA-256 of the selected episodes and their
-    frame counts (SPEC §3.6)."""
+    """The ``selection`` field of a checkpoint (SPEC §3.6)."""
     lines = "".join(f"{e} {f}\n" for e, f in sorted(zip(episodes, frames, strict=True)))
     return hashlib.sha256(lines.encode("ascii")).hexdigest()
 
@@ -184,7 +159,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
     """``(counts, next)``: how many of an in-order DataLoader's first ``batches`` batches each
     worker produced, and whose turn is next, when worker ``w`` has ``limits[w]`` batches
-    (``None``: never ends) — SPEC §3.6 "Replay"."""
+    (``None``: never ends) — SPEC §3.6, Replay."""
     if batches < 0:
         raise UsageError(f"batches must be non-negative, got {batches}")
     workers = len(limits)
@@ -210,8 +185,7 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
-    """The batches every rank yields in a finite distributed epoch (SPEC §3.7), given the frame
-    total of every worker share of every rank."""
+    """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if not world_worker_frames:
@@ -240,12 +214,9 @@ def resume_positions(
     remainders: Sequence[tuple[Sequence[int], int | None]] = (),
 ) -> ResumePositions:
     """Where every logical worker starts after the rank consumed ``samples`` since ``epoch``
-    began (SPEC §3.6 "Worker positions"); ``worker_frames[w]`` is the frame total of logical
-    worker ``w``'s share and ``rank_batches`` the :func:`epoch_batches` of a finite distributed
-    epoch (default: all the rank's batches). ``remainders[i]`` are the anchors of each worker's
-    plan and the rank's batches (None: all) in epoch ``epoch + i`` when those epochs are the
-    rest of epochs in progress (SPEC §3.9); ordinary epochs follow. ResumeError for a position
-    that is not whole batches."""
+    began (SPEC §3.6, Worker positions; ``rank_batches``: §3.7). ``remainders[i]``, when epoch
+    ``epoch + i`` is the rest of one in progress, are each worker's anchors and the rank's
+    batches (None: all) in it (SPEC §3.9, Positions); ordinary epochs follow."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if epoch < 0 or samples < 0:
@@ -253,49 +224,41 @@ def resume_positions(
     _check_whole_batches(samples, batch_size)
     if not worker_frames or min(worker_frames) < 1:
         raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
-    batches = samples // batch_size
+    workers = len(worker_frames)
     if repeat:
-        counts, rotation = batches_per_worker(batches, [None] * len(worker_frames))
-        epochs, offsets = [], []
-        for w, count in enumerate(counts):
-            anchors, at = count * batch_size, epoch
-            for lengths, _ in remainders:
-                if anchors < lengths[w]:
-                    break
-                anchors, at = anchors - lengths[w], at + 1
-            else:
-                whole, anchors = divmod(anchors, worker_frames[w])
-                at += whole
-            epochs.append(at)
-            offsets.append(anchors)
-        return ResumePositions(tuple(epochs), tuple(offsets), (None,) * len(worker_frames),
-                               rotation)
-    for lengths, rest_batches in remainders:
-        limits: list[int | None] = [_batches(f, batch_size) for f in lengths]
-        per_epoch = sum(limits) if rest_batches is None else rest_batches
-        if batches < per_epoch:
-            return _finite_positions(lengths, batch_size, epoch, batches, limits, per_epoch)
-        batches, epoch = batches - per_epoch, epoch + 1
-    limits = [_batches(f, batch_size) for f in worker_frames]
-    per_epoch = sum(limits) if rank_batches is None else rank_batches
-    if not 1 <= per_epoch <= sum(limits):
-        raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits)}]")
-    whole_epochs, batches = divmod(batches, per_epoch)
-    return _finite_positions(worker_frames, batch_size, epoch + whole_epochs, batches, limits,
-                             per_epoch)
-
-
-def _finite_positions(frames: Sequence[int], batch_size: int, epoch: int, batches: int,
-                      limits: list[int | None], per_epoch: int) -> ResumePositions:
-    """Positions ``batches`` into a finite epoch of ``per_epoch`` batches."""
-    counts, rotation = batches_per_worker(batches, limits)
-    ends, _ = batches_per_worker(per_epoch, limits)
+        counts, rotation = batches_per_worker(samples // batch_size, [None] * workers)
+        starts = [_walk(count * batch_size, [lengths[w] for lengths, _ in remainders],
+                        worker_frames[w]) for w, count in enumerate(counts)]
+        return ResumePositions(tuple(epoch + passed for passed, _ in starts),
+                               tuple(offset for _, offset in starts), (None,) * workers, rotation)
+    # Each plan: every worker's anchors and the rank's batches in an epoch; the last repeats.
+    plans = [*remainders, (worker_frames, rank_batches)]
+    limits = [[_batches(f, batch_size) for f in lengths] for lengths, _ in plans]
+    per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
+    if not 1 <= per_epoch[-1] <= sum(limits[-1]):
+        raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits[-1])}]")
+    passed, batches = _walk(samples // batch_size, per_epoch[:-1], per_epoch[-1])
+    plan = min(passed, len(remainders))
+    counts, rotation = batches_per_worker(batches, limits[plan])
+    ends, _ = batches_per_worker(per_epoch[plan], limits[plan])
+    frames = plans[plan][0]
     return ResumePositions(
-        epochs=(epoch,) * len(frames),
+        epochs=(epoch + passed,) * workers,
         offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, frames, strict=True)),
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, frames, strict=True)),
         rotation=rotation,
     )
+
+
+def _walk(consumed: int, rests: Sequence[int], ordinary: int) -> tuple[int, int]:
+    """``(epochs passed, consumed in the epoch reached)`` after ``consumed`` anchors or batches
+    of epochs holding ``rests[0]``, ``rests[1]``, … then ``ordinary`` each."""
+    for passed, length in enumerate(rests):
+        if consumed < length:
+            return passed, consumed
+        consumed -= length
+    whole, consumed = divmod(consumed, ordinary)
+    return len(rests) + whole, consumed
 
 
 # --- another topology: what was delivered, and the rest of the epochs in progress -------------
@@ -303,9 +266,8 @@ def _finite_positions(frames: Sequence[int], batch_size: int, epoch: int, batche
 
 @dataclass(frozen=True)
 class Order:
-    """Everything that fixes every worker's plan besides the topology and the position: the
-    selection and the planner settings. ``byte_sizes`` (one per episode) is needed only to
-    replay other workers under a byte budget."""
+    """The selection and the planner settings; ``byte_sizes`` (one per episode) is needed only
+    to replay other workers under a byte budget."""
 
     episodes: tuple[int, ...]
     frames: tuple[int, ...]
@@ -331,16 +293,15 @@ class Delivered:
 class _Epoch:
     """One epoch under one topology: its shares, their anchors, the rank's batches."""
 
-    delivered: np.ndarray | None  # per episode; None = an ordinary epoch
+    delivered: np.ndarray  # frames delivered before, per episode (all 0: an ordinary epoch)
     shares: list[list[list[int]]]  # [rank][worker] -> episodes
     lengths: list[list[int]]  # [rank][worker] -> anchors of the plan
     rank_batches: int | None  # None with repeat
 
 
 class Course:
-    """Every rank's and worker's plans under one topology (SPEC §3.9): the rest of the epochs in
-    progress of ``delivered``, then ordinary epochs (whose shares must all hold episodes, else
-    ShardingError)."""
+    """Every rank's and worker's plans under one topology: the rest of the epochs in progress,
+    then ordinary epochs (SPEC §3.9, Plans; ShardingError for an empty ordinary share)."""
 
     def __init__(self, order: Order, delivered: Delivered, world_size: int, num_workers: int,
                  batch_size: int) -> None:
@@ -350,17 +311,17 @@ class Course:
         self._frames = np.asarray(order.frames, dtype=np.int64)
         self._limits = split_limits(num_workers, pool_size=order.pool_size,
                                     byte_budget=order.byte_budget, decoder_cache=None, cameras=0)
-        self._ordinary = self._plan(None)
+        self._ordinary = self._plan(np.zeros_like(self._frames))
         self._open = [self._plan(counts) for counts in delivered.counts]
 
-    def _plan(self, delivered: np.ndarray | None) -> _Epoch:
-        left = self._frames if delivered is None else self._frames - delivered
+    def _plan(self, delivered: np.ndarray) -> _Epoch:
+        left = self._frames - delivered
         episodes, counts = list(self.order.episodes), left.tolist()
         shares = []
         for ids in lpt_partition(episodes, counts, self.world_size):
             shares.append(lpt_partition(ids, [counts[self._index[e]] for e in ids],
                                         self.num_workers))
-        if delivered is None:
+        if not delivered.any():
             for rank, parts in enumerate(shares):
                 if not all(parts):  # ShardingError saying what to use instead
                     ids = rank_share(episodes, counts, rank, self.world_size)
@@ -397,8 +358,7 @@ class Course:
             share, self._frames[at].tolist(), seed=self.order.seed, epoch=epoch, rank=rank,
             worker=worker, strategy=self.order.strategy, pool_size=self._limits.pool_size,
             byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
-            byte_budget=budget,
-            delivered=None if plan.delivered is None else plan.delivered[at].tolist())
+            byte_budget=budget, delivered=plan.delivered[at].tolist())
 
     def after(self, samples: int) -> Delivered:
         """What has been delivered once every rank consumed ``samples`` with this topology."""
@@ -412,11 +372,7 @@ class Course:
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),
                     self.delivered.first + len(self.delivered.counts) - 1])
-        counts = []
-        for epoch in range(first, last + 1):
-            plan = self._epoch(epoch)
-            counts.append(np.zeros_like(self._frames) if plan.delivered is None
-                          else plan.delivered.copy())
+        counts = [self._epoch(epoch).delivered.copy() for epoch in range(first, last + 1)]
         for rank, start in enumerate(starts):
             for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets,
                                                          strict=True)):
@@ -434,8 +390,7 @@ class Course:
 
 
 def delivered_by(order: Order, epoch: int, history: Sequence[Segment]) -> Delivered:
-    """What the topologies of ``history`` delivered, one after the other, from the start of
-    ``epoch`` (SPEC §3.9)."""
+    """What the segments of ``history`` delivered in turn from ``epoch`` on (SPEC §3.9)."""
     delivered = Delivered(epoch)
     for segment in history:
         course = Course(order, delivered, segment.world_size, segment.num_workers,
@@ -446,13 +401,10 @@ def delivered_by(order: Order, epoch: int, history: Sequence[Segment]) -> Delive
 
 def _check_whole_batches(samples: int, batch_size: int) -> None:
     if samples % batch_size:
-        raise ResumeError(
-            f"a resume offset of {samples} samples is not a whole number of batches of "
-            f"{batch_size}"
-        )
+        raise ResumeError(f"a resume offset of {samples} samples is not a whole number of "
+                          f"batches of {batch_size}")
 
 
 def _batches(frames: int, batch_size: int) -> int:
-    """The batches a worker fills from ``frames`` anchors: ⌈frames / batch_size⌉, the last one
-    possibly short."""
+    """The batches a worker fills from ``frames`` anchors, the last one possibly short."""
     return -(-frames // batch_size)

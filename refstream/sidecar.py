@@ -1,6 +1,6 @@
 """The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk so that
-training starts without reading a ``moov`` again (SPEC §10).
-
+training starts without reading a ``moov`` again (SPEC §10). A *record* is named by the file's
+size and content (:func:`record_name`): every root, revision and copy of the video shares it.
 Use::
 
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
@@ -8,18 +8,13 @@ Use::
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
     export_index(index, "refstream-index.npz")   # the file a maintainer publishes
 
-A file's index is a *record*, one ``.npy`` file named by the file's size and content identity
-(:func:`record_name`): every root, revision and copy with the same video shares it, and a changed
-video invalidates its own record only. :func:`ensure_index` takes each record from the cache
-(``$REFSTREAM_CACHE/index/``), else the dataset's published index, else indexes the file, and
-installs each record as its file finishes, under a lock, by atomic rename once it verified: memory
-stays that of the files in flight and a failed build replaces nothing (SPEC §10.5–10.7).
-
-:class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are views of the mapped
-records in their stored dtypes (constants: zero-stride broadcasts). Ranks and workers share the
-pages; nothing is widened, so a consumer widens the slice it computes on (``pts − dts`` must not
-wrap). The ``refstream.sidecar`` logger says at INFO where the index came from; a build running
-longer than :data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
+:func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say, in
+``$REFSTREAM_CACHE/index/``: memory stays that of the files in flight, and a failed build
+replaces nothing. :class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are
+views of the mapped records in their stored dtypes: ranks and workers share the pages, and a
+consumer widens the slice it computes on (``pts − dts`` must not wrap). The ``refstream.sidecar``
+logger says at INFO where the index came from; a build running longer than
+:data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
 """
 
 from __future__ import annotations
@@ -37,13 +32,11 @@ import struct
 import sys
 import time
 import tokenize
-import uuid
 import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -177,7 +170,7 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
                 verify: bool = False) -> SampleIndex:
     """The ``SampleIndex`` in the record of file ``relpath`` (``size`` bytes, content
     ``identity``), its arrays read-only views of the mapping (of the bytes, for a file object);
-    ``SidecarInvalid`` unless the record is valid (``verify``: verified, SPEC §10.3)."""
+    ``SidecarInvalid`` unless the record is valid, or with ``verify`` verified (SPEC §10.3)."""
     mapped = isinstance(file, str | Path)
     try:
         with open(file, "rb") if mapped else contextlib.nullcontext(file) as handle:
@@ -187,27 +180,25 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
         if head != NPY_1_0:
             raise ValueError("not an NPY 1.0 file")
         array = np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
-        meta, arrays = _parse_record(array, size, identity)
+        index = _parse_record(array, size, identity, relpath)
         if mapped and os.path.getsize(file) != array.offset + array.dtype.itemsize:
             raise ValueError("the file is longer than its array")
         if verify:
             data = array.view(np.uint8)
             if hashlib.sha256(data[32:]).digest() != data[:32].tobytes():
                 raise ValueError("the record does not match its digest")
-            if np.any(arrays["dts"][1:] < arrays["dts"][:-1]):
+            if np.any(index.dts[1:] < index.dts[:-1]):
                 raise ValueError("dts decreases")  # spans are found by searching dts
     except FileNotFoundError:
         raise
     except UNREADABLE as exc:
         raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
                              f"({type(exc).__name__}: {exc})") from exc
-    return SampleIndex(path=relpath, file_size=size, ftyp=bytes.fromhex(meta["ftyp"]),
-                       stsd=bytes.fromhex(meta["stsd"]),
-                       **{name: meta[name] for name in SCALAR_FIELDS}, **arrays)
+    return index
 
 
-def _parse_record(array, size: int, identity: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """The meta and the arrays of a loaded record; ValueError unless they are the schema's."""
+def _parse_record(array, size: int, identity: str, relpath: str) -> SampleIndex:
+    """The index in a loaded record; ValueError unless valid for ``size`` and ``identity``."""
     names = array.dtype.names or ()
     if array.shape != (1,) or names[:2] != ("sha256", "meta") \
             or array.dtype["sha256"] != np.dtype(("u1", (32,))) \
@@ -224,8 +215,6 @@ def _parse_record(array, size: int, identity: str) -> tuple[dict, dict[str, np.n
             and meta["timescale"] > 0 and isinstance(meta["codec"], str)
             and isinstance(constants, dict)):
         raise ValueError("bad meta fields")
-    for name in ("ftyp", "stsd"):
-        bytes.fromhex(meta[name])  # ValueError unless hex
     if list(names[2:]) != [name for name in ARRAY_FIELDS if name not in constants] \
             or not set(constants) <= set(ARRAY_FIELDS):
         raise ValueError(f"stored arrays {names[2:]} and constants {sorted(constants)}")
@@ -243,7 +232,9 @@ def _parse_record(array, size: int, identity: str) -> tuple[dict, dict[str, np.n
         if not valid:
             raise ValueError(f"constant {name} {value!r}")
         arrays[name] = np.broadcast_to(np.array(value, bool if flag else np.int64), (count,))
-    return meta, arrays
+    return SampleIndex(path=relpath, file_size=size, ftyp=bytes.fromhex(meta["ftyp"]),
+                       stsd=bytes.fromhex(meta["stsd"]),
+                       **{name: meta[name] for name in SCALAR_FIELDS}, **arrays)
 
 
 # --- finding, building and installing ----------------------------------------------------------
@@ -288,8 +279,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
 
 
 class MappedIndex(Mapping):
-    """``relpath -> SampleIndex`` over a :class:`VideoIndex`'s records, each mapped read-only on
-    first use."""
+    """``relpath -> SampleIndex`` of a :class:`VideoIndex`, each mapped read-only on first use."""
 
     def __init__(self, index: VideoIndex) -> None:
         self.index = index
@@ -392,8 +382,7 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
 
 def _index_files(source: Source, records: dict[str, Record], workers: int,
                  indexer: Indexer | None) -> int:
-    """Index every file of ``records``, installing each record as its file finishes; the bytes
-    read from the source."""
+    """Index every file of ``records`` and install each record as it finishes; bytes read."""
     indexer = indexer or parse_index
 
     def index_one(relpath: str, record: Record) -> None:
@@ -442,7 +431,7 @@ def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
                   "Last-Modified), so no stored index can be trusted for them: indexing them "
                   "again on this open", stacklevel=3)
     _remove_orphans(folder)
-    own = f".volatile.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+    own = f".volatile.{os.getpid()}.{os.urandom(6).hex()}"
     return {relpath: Record(identities[relpath][0], "", str(folder / f"{own}.{position}.npy"))
             for position, relpath in enumerate(unstable)}
 
@@ -453,7 +442,7 @@ def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
 def _install(destination: Path, write: Callable[[BinaryIO], object],
              check: Callable[[Path], object] | None = None) -> None:
     """Write a temp file beside ``destination``, fsync it, ``check`` it, ``os.replace`` it."""
-    temp = destination.with_name(f".tmp.{os.getpid()}.{uuid.uuid4().hex[:12]}.{destination.name}")
+    temp = destination.with_name(f".tmp.{os.getpid()}.{os.urandom(6).hex()}.{destination.name}")
     try:
         with open(temp, "xb") as handle:
             write(handle)
@@ -494,7 +483,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-@contextmanager
+@contextlib.contextmanager
 def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path``, polling up to ``timeout_s`` seconds."""
     try:
