@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,22 +90,32 @@ def test_simulated_metadata_points_at_episode_starts_in_the_videos(tmp_path):
 
 def test_scale_command_measures_the_quick_simulation(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path))
+    monkeypatch.setattr(scale, "HUB_PAGE_ENTRIES", 7)  # the listing takes several pages
     assert main(["bench", "--scale", "droid", "--quick", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     facts = report["simulation"]
     assert facts["samples"] == facts["frames"] * facts["cameras"]
     assert report["apparent_bytes"] > 10 * report["disk_bytes"]  # sparse videos
-    folder, http = report["folder"], report["http"]
+    folder, http, hub = report["folder"], report["http"], report["hub"]
     assert folder["index_requests"] == folder["cold_requests"] == folder["warm_requests"] == 0
-    assert http["index_requests"] >= facts["video_files"]  # every moov was read over HTTP
-    assert 0 < http["index_served_bytes"] < facts["video_bytes"] / 10  # the moovs only
-    assert http["cold_requests"] > 0
-    for place in (folder, http):
+    for place in (http, hub):
+        assert place["index_requests"] >= facts["video_files"]  # every moov was read over HTTP
+        assert 0 < place["index_served_bytes"] < facts["video_bytes"] / 10  # the moovs only
+    # Identities: plain HTTP asks one HEAD per video file; the Hub lists the videos folder.
+    assert http["cold_identity_requests"] >= facts["video_files"]
+    listed = len(list((Path(report["root"]) / "videos").rglob("*")))  # files and folders
+    for moment in ("cold", "warm"):
+        assert hub[f"{moment}_identity_requests"] == -(-listed // 7)
+        assert hub[f"{moment}_requests"] < facts["video_files"]
+    for place in (folder, http, hub):
         assert place["index_peak_rss_bytes"] > 0 and place["index_disk_bytes"] > 0
         assert place["index_s"] > 0 and place["cold_s"] > 0 and place["warm_s"] > 0
     assert len(report["workers"]) == scale.ScaleConfig.quick().workers
     for worker in report["workers"]:
         assert worker["rss_bytes"] >= worker["private_bytes"] > 0
         assert worker["rss_bytes"] >= worker["pss_bytes"] > 0
+        assert 0 < worker["index_records"] <= facts["video_files"]
         assert worker["rss_bytes"] >= worker["index_rss_bytes"] > 0  # the index is mapped
+        assert worker["index_rss_bytes"] >= worker["index_private_bytes"]
+        assert worker["index_heap_bytes"] > 0
     assert [t["key"] for t in report["targets"]] == list(scale.TARGETS)

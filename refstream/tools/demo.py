@@ -571,28 +571,30 @@ def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[in
 # --- loopback HTTP server -------------------------------------------------------------------
 
 
+def file_route(target: str) -> str:
+    """The default route: a request target names the file at that path under the root."""
+    return unquote(urlsplit(target).path).lstrip("/")
+
+
 @dataclass
 class LoopbackServer:
     """A running :func:`serve_directory` server and what it has served so far."""
 
     root: Path
     url: str = ""
-    requests: int = 0  # every request line received (HEAD and GET, any status)
-    range_requests: int = 0  # GET requests that carried a Range header
     body_bytes: int = 0  # response body bytes answered (counted as the answer starts)
+    # (method, path, Range header or None, status), one per request
     log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
-    # (method, path, Range header or None, status)
     # Called with (path, client address) before each request is answered; may block to hold it.
     hold: Callable[[str, tuple], None] | None = None
+    # The request target -> the relpath of a file to serve, or an answer: (body, headers).
+    route: Callable[[str], str | tuple[bytes, dict[str, str]]] = file_route
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def _record(self, method: str, path: str, range_header: str | None, status: int,
-                sent: int) -> None:
+    def _record(self, entry: tuple[str, str, str | None, int], sent: int) -> None:
         with self._lock:
-            self.requests += 1
-            self.range_requests += range_header is not None and method == "GET"
             self.body_bytes += sent
-            self.log.append((method, path, range_header, status))
+            self.log.append(entry)
 
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -633,20 +635,14 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
         def do_GET(self):
             self._respond(send_body=True)
 
-        def _resolve(self) -> Path | None:
-            relative = unquote(urlsplit(self.path).path).lstrip("/")
-            path = (root / relative).resolve()
-            if path != root and root not in path.parents:
-                return None
-            return path if path.is_file() else None
-
-        def _finish(self, status: int, headers: dict[str, str], body: bytes, send_body: bool,
-                    range_header: str | None) -> None:
+        def _finish(self, status: int, headers: dict[str, str], body: bytes,
+                    send_body: bool) -> None:
             # Counted before the answer leaves: a client that has read the answer must find
             # its request in the counters.
-            server_state._record(self.command, self.path, range_header, status,
-                                 len(body) if send_body else 0)
+            entry = (self.command, self.path, self.headers.get("Range"), status)
+            server_state._record(entry, len(body) if send_body else 0)
             self.send_response(status)
+            headers.setdefault("Content-Length", str(len(body)))
             for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
@@ -656,12 +652,13 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
         def _respond(self, send_body: bool) -> None:
             if server_state.hold is not None:
                 server_state.hold(self.path, self.client_address)
-            range_header = self.headers.get("Range")
-            path = self._resolve()
-            if path is None:
-                body = b"not found\n"
-                self._finish(HTTPStatus.NOT_FOUND, {"Content-Length": str(len(body))}, body,
-                             send_body, range_header)
+            routed = server_state.route(self.path)
+            if isinstance(routed, tuple):
+                self._finish(HTTPStatus.OK, dict(routed[1]), routed[0], send_body)
+                return
+            path = (root / routed).resolve()
+            if root not in path.parents or not path.is_file():
+                self._finish(HTTPStatus.NOT_FOUND, {}, b"not found\n", send_body)
                 return
             stat = path.stat()
             size = stat.st_size
@@ -670,18 +667,17 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
             }
+            range_header = self.headers.get("Range")
             if range_header is None or "," in range_header:
                 # No range, or several: RFC 9110 lets a server ignore Range and send it all.
-                body = path.read_bytes() if send_body else b""
                 headers["Content-Length"] = str(size)
-                self._finish(HTTPStatus.OK, headers, body, send_body, range_header)
+                self._finish(HTTPStatus.OK, headers, path.read_bytes() if send_body else b"",
+                             send_body)
                 return
             bounds = _parse_range(range_header, size)
             if bounds is None:
                 headers["Content-Range"] = f"bytes */{size}"
-                headers["Content-Length"] = "0"
-                self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"", send_body,
-                             range_header)
+                self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"", send_body)
                 return
             first, last = bounds
             body = b""
@@ -691,7 +687,7 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
                     body = handle.read(last - first + 1)
             headers["Content-Range"] = f"bytes {first}-{last}/{size}"
             headers["Content-Length"] = str(last - first + 1)
-            self._finish(HTTPStatus.PARTIAL_CONTENT, headers, body, send_body, range_header)
+            self._finish(HTTPStatus.PARTIAL_CONTENT, headers, body, send_body)
 
     return Handler
 
@@ -929,7 +925,7 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
         root=root, kept=kept, episodes=len(lengths), frames=int(sum(lengths)), cameras=len(cameras),
         video_files=sum(1 for p in files if p.suffix == ".mp4"),
         dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
-        measurement=measurement, requests=server.requests, setup_requests=setup_requests,
+        measurement=measurement, requests=len(server.log), setup_requests=setup_requests,
         video_span_requests=video_spans,
         body_bytes=server.body_bytes, checked_frames=checked, problems=problems,
     )

@@ -1,7 +1,7 @@
 """``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation.
 
 Use: ``report = run_scale(ScaleConfig())`` (``ScaleConfig.quick()`` for a small one), then
-``report.lines()`` or ``report.as_dict()``; from the shell, ``refstream bench --scale droid``.
+``report.lines()`` or ``report.as_dict()``.
 
 The simulation (:func:`write_simulation`, made once under ``$REFSTREAM_CACHE/bench``) is DROID in
 LeRobot v3: ``bench.droid_lengths`` episodes at 15 fps, three 320×180 cameras, video files rolled
@@ -9,20 +9,26 @@ over at 200 MB as LeRobot's writer rolls them, the episodes table (with ``stats/
 files of about 100 MB, sparse videos (:func:`write_sparse_mp4`: a real ``moov``, an ``mdat``
 hole) and no data Parquet: **no sample can be fetched or decoded from it**.
 
-Measured from the folder and over loopback HTTP, each with a scratch sidecar cache: ``refstream
-index ROOT`` in a child (time, peak RSS, requests and bytes served, the cache's size after);
-``StreamingDataset(ROOT)`` twice in a new process, the index cached (cold, warm); over HTTP, the
-memory of DataLoader workers while the server holds their data Parquet requests: a worker makes
-one only once it planned its spans and admitted its first pool, and the request's TCP port names
-it. The index's private share is the private memory a worker gained since its ``worker_init_fn``
-(an upper bound: spans and planner included); the index pages it maps are counted apart.
-Measured processes set ``oom_score_adj`` to 1000: running out of memory ends them first.
+One loopback server serves the folder as plain HTTP (no listing: one ``HEAD`` per file for its
+identity) and as the Hub's dataset ``hf://datasets/HUB_REPO`` (:func:`hub_route`: the revision
+API, the commit's paginated tree listing with each file's ``lfs.oid``, ``resolve/<commit>/``).
+Measured from the folder, over plain HTTP and from the emulated Hub, each with a scratch sidecar
+cache: ``refstream index ROOT`` in a child (time, peak RSS, requests and bytes served, the cache's
+size after); ``StreamingDataset(ROOT)`` twice in a new process, the index cached (cold, warm),
+counting requests and those asking for file identities. Then, over plain HTTP, the memory of
+DataLoader workers while the server holds their data Parquet requests: a worker makes one only
+once it planned its spans and admitted its first pool, and the request's TCP port names it. A
+worker's share of the index is the private pages of its mappings of the records
+(``/proc/PID/smaps``) plus the heap of the index objects over those records (tracemalloc,
+:func:`_index_heap_bytes`). Measured processes set ``oom_score_adj`` to 1000: running out of
+memory ends them first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import struct
@@ -31,9 +37,11 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -41,12 +49,13 @@ import pyarrow.parquet as pq
 
 from refstream.errors import RefstreamError, UsageError
 from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
-from refstream.sidecar import CACHE_ENV
+from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, cache_folder
 from refstream.stats import STATS_PATH
 from refstream.tools import bench, demo
 from refstream.tools.bench import MB, Target, droid_lengths, kib_fields
 
-__all__ = ["ScaleConfig", "ScaleReport", "run_scale", "write_simulation", "write_sparse_mp4"]
+__all__ = ["ScaleConfig", "ScaleReport", "run_scale", "write_simulation", "write_sparse_mp4",
+           "hub_route"]
 
 CAMERAS = ("observation.images.exterior_1_left", "observation.images.exterior_2_left",
            "observation.images.wrist_left")  # DROID's three cameras
@@ -66,13 +75,18 @@ AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
 MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)  # identity
 FACTS = "simulation.json"  # write_simulation's facts, beside meta/
 HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
+HUB_REPO = "refstream/droid-sim"  # the emulated Hub's dataset: hf://datasets/HUB_REPO
+HUB_COMMIT = hashlib.sha1(b"refstream droid simulation").hexdigest()  # its one commit
+HUB_PAGE_ENTRIES = 1000  # entries per page of the emulated tree listing
 TARGETS = {  # key: (text, the most the measured value may be)
-    "index_rss": ("refstream index peak RSS <= 1 GB (MB, folder or HTTP)", 1000),
+    "index_rss": ("refstream index peak RSS <= 1 GB (MB; any place)", 1000),
     "construct_local": ("construction, index cached <= 5 s (folder; cold or warm)", 5),
-    "construct_http": ("construction, index cached <= 10 s (loopback HTTP; cold or warm)", 10),
-    "identity_requests": ("requests of a cold construction per 1,000 video files <= 10 with a "
-                          "listing (loopback HTTP has none)", 10),
-    "worker_private": ("private memory per worker for the index <= 64 MB (gained planning)", 64),
+    "construct_http": ("construction, index cached <= 10 s (loopback HTTP or emulated Hub; "
+                       "cold or warm)", 10),
+    "identity_requests": ("requests for file identities per 1,000 video files <= 10 with a "
+                          "listing (emulated Hub, cold construction)", 10),
+    "worker_private": ("private memory per worker for the index <= 64 MB (private pages of the "
+                       "mapped records + heap of the index objects)", 64),
     "index_disk": ("index on disk <= 20 bytes per sample", 20),
 }
 
@@ -246,6 +260,59 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
     return facts
 
 
+# --- the emulated Hub -------------------------------------------------------------------------
+
+
+def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[str, str]]]:
+    """A :class:`demo.LoopbackServer` route that also serves ``root`` as the Hub serves the
+    dataset ``HUB_REPO`` at commit ``HUB_COMMIT`` (what :mod:`refstream.hub` asks, SPEC §8.4,
+    §10.1) from the server at ``url``; other paths are the folder's files.
+
+    A file's ``lfs.oid`` is the SHA-256 of its relpath and size: a stable content identity, all
+    the index needs (hashing 370 GB of holes would tell nothing more)."""
+    api = f"/api/datasets/{HUB_REPO}/"
+    tree = f"{api}tree/{HUB_COMMIT}"
+    files = f"/datasets/{HUB_REPO}/resolve/{HUB_COMMIT}/"
+
+    @functools.cache
+    def listing(folder: str) -> list[dict]:
+        entries = []
+        for path in sorted((root / folder).rglob("*")):
+            relpath = str(path.relative_to(root))
+            if path.is_dir():
+                entries.append({"type": "directory", "oid": "0" * 40, "size": 0,
+                                "path": relpath})
+                continue
+            size = path.stat().st_size
+            oid = hashlib.sha256(f"{relpath} {size}".encode()).hexdigest()
+            entries.append({"type": "file", "oid": oid[:40], "size": size, "path": relpath,
+                            "lfs": {"oid": oid, "size": size, "pointerSize": 134}})
+        return entries
+
+    def route(target: str) -> str | tuple[bytes, dict[str, str]]:
+        split = urlsplit(target)
+        path = unquote(split.path)
+        if path.startswith(f"{api}revision/"):
+            return json.dumps({"sha": HUB_COMMIT}).encode(), {}
+        if path == tree or path.startswith(f"{tree}/"):
+            entries = listing(path.removeprefix(tree).strip("/"))
+            start = int(parse_qs(split.query).get("cursor", ["0"])[0])
+            headers = {"Content-Type": "application/json"}
+            if start + HUB_PAGE_ENTRIES < len(entries):
+                after = f"{split.path}?recursive=true&cursor={start + HUB_PAGE_ENTRIES}"
+                headers["Link"] = f'<{url}{after}>; rel="next"'
+            page = entries[start : start + HUB_PAGE_ENTRIES]
+            return json.dumps(page).encode(), headers
+        return path.removeprefix(files).lstrip("/")
+
+    return route
+
+
+def _asks_identity(method: str, path: str) -> bool:
+    """Whether a request asks for file identities: a ``HEAD``, or a page of the tree listing."""
+    return method == "HEAD" or path.startswith(f"/api/datasets/{HUB_REPO}/tree/")
+
+
 # --- measuring --------------------------------------------------------------------------------
 
 # Child processes: each first offers itself to the OOM killer (module docstring).
@@ -264,7 +331,7 @@ for _ in sys.stdin:
 
 @dataclass(frozen=True)
 class Place:
-    """The figures from one place, the folder or loopback HTTP (seconds, bytes)."""
+    """The figures from one place: the folder, plain HTTP or the emulated Hub (seconds, bytes)."""
 
     index_s: float  # `refstream index ROOT`, the whole child process
     index_peak_rss_bytes: int
@@ -273,8 +340,10 @@ class Place:
     index_disk_bytes: int  # every file of the sidecar cache after the build
     cold_s: float  # the first StreamingDataset(ROOT) of a new process, the index cached
     cold_requests: int
+    cold_identity_requests: int  # of which asking for file identities (_asks_identity)
     warm_s: float  # the second one in that process
     warm_requests: int
+    warm_identity_requests: int
 
 
 @dataclass(frozen=True)
@@ -283,14 +352,22 @@ class WorkerMemory:
 
     rss_bytes: int
     pss_bytes: int
-    private_bytes: int  # Private_Clean + Private_Dirty
-    private_gained_bytes: int  # since the worker started (its worker_init_fn)
-    index_rss_bytes: int  # pages of index files mapped from the sidecar cache
+    private_bytes: int  # Private_Clean + Private_Dirty, everything
+    private_gained_bytes: int  # since its worker_init_fn: index, spans, planner, copy-on-write
+    index_records: int  # record files it maps
+    index_rss_bytes: int  # their pages in its memory
     index_pss_bytes: int
+    index_private_bytes: int  # their pages no other process maps
+    index_heap_bytes: int  # the index objects over those records
+
+    @property
+    def index_share_bytes(self) -> int:
+        return self.index_private_bytes + self.index_heap_bytes
 
 
 def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place:
-    env = {**os.environ, CACHE_ENV: str(cache)}
+    env = {**os.environ, CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
+    env.pop("HF_TOKEN", None)  # the emulated Hub needs none
     mark, served, started = len(server.log), server.body_bytes, time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", INDEX_CHILD, root], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -312,7 +389,8 @@ def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place
             line = child.stdout.readline()
             if not line:
                 raise RefstreamError(f"StreamingDataset({root!r}) failed in a child process")
-            figures += [float(line), len(server.log) - mark]
+            asked = sum(_asks_identity(method, path) for method, path, *_ in server.log[mark:])
+            figures += [float(line), len(server.log) - mark, asked]
         child.stdin.close()
     return Place(*figures)
 
@@ -343,17 +421,45 @@ def _tcp_ports(pid: int) -> set[int]:
     return {int(row[1].rpartition(":")[2], 16) for row in rows if row[9] in inodes}
 
 
-def _worker(pid: int, private_at_start: int, folder: str) -> WorkerMemory:
-    """``pid``'s memory, and that of its mappings of files under ``folder`` (/proc/pid/smaps)."""
-    mapped, inside = {"Rss:": 0, "Pss:": 0}, False
+def _mapped_records(pid: int, folder: str) -> dict[str, dict[str, int]]:
+    """Each file under ``folder`` that ``pid`` maps, with its mappings' smaps fields (bytes)."""
+    files, current = {}, None
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         words = line.split()
         if not words[0].endswith(":"):  # a mapping: range, perms, offset, dev, inode[, path]
             inside = len(words) > 5 and words[5].startswith(folder)
-        elif inside and words[0] in mapped:
-            mapped[words[0]] += int(words[1]) * 1024
+            current = files.setdefault(words[5], {}) if inside else None
+        elif current is not None and len(words) == 3 and words[2] == "kB":
+            current[words[0][:-1]] = current.get(words[0][:-1], 0) + int(words[1]) * 1024
+    return files
+
+
+def _index_heap_bytes(video_index: VideoIndex, paths: set[str]) -> int:
+    """The heap that the index objects of the records at ``paths`` take (tracemalloc): the
+    :class:`MappedIndex` entries a worker mapping those records holds, without their pages."""
+    relpaths = [relpath for relpath, record in video_index.records.items()
+                if os.path.realpath(record.path) in paths]
+    tracemalloc.start()
+    try:
+        mapped = MappedIndex(video_index)
+        for relpath in relpaths:
+            mapped[relpath]
+        return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+def _worker(pid: int, private_at_start: int, video_index: VideoIndex,
+            folder: Path) -> WorkerMemory:
+    """``pid``'s memory, and that of the index records (in ``folder``) it maps."""
+    records = _mapped_records(pid, os.path.realpath(folder) + os.sep)
+    index = {name: sum(fields.get(name, 0) for fields in records.values())
+             for name in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
     rss, pss, private = _rollup(pid)
-    return WorkerMemory(rss, pss, private, private - private_at_start, *mapped.values())
+    return WorkerMemory(rss, pss, private, private - private_at_start, len(records),
+                        index["Rss"], index["Pss"],
+                        index["Private_Clean"] + index["Private_Dirty"],
+                        _index_heap_bytes(video_index, set(records)))
 
 
 def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> list[WorkerMemory]:
@@ -364,6 +470,8 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
 
     held, measured, lock, release = set(), [], threading.Lock(), threading.Event()
     start = torch.zeros((workers, 2), dtype=torch.int64).share_memory_()  # pid, private bytes
+    with demo.environment(CACHE_ENV, str(cache)):
+        dataset = StreamingDataset(server.url)
 
     def hold(path: str, client: tuple) -> None:  # on the server's threads
         if path.startswith("/data/"):
@@ -371,13 +479,12 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
                 held.add(client[1])  # the port the request came from
                 pids = start[:, 0].tolist()
                 if not release.is_set() and all(pids) and all(_tcp_ports(p) & held for p in pids):
-                    measured.extend(_worker(pid, at_start, str(cache.resolve()))
+                    measured.extend(_worker(pid, at_start, dataset.video_index,
+                                            cache_folder(cache))
                                     for pid, at_start in start.tolist())
                     release.set()
             release.wait()
 
-    with demo.environment(CACHE_ENV, str(cache)):
-        dataset = StreamingDataset(server.url)
     loader = torch.utils.data.DataLoader(dataset, num_workers=workers, timeout=HELD_WAIT_S,
                                          worker_init_fn=functools.partial(_note_start, start))
     server.hold = hold
@@ -406,6 +513,7 @@ class ScaleReport:
     apparent_bytes: int  # their sizes
     folder: Place
     http: Place
+    hub: Place
     workers: list[WorkerMemory]
     targets: list[Target]
     seconds: float
@@ -422,6 +530,7 @@ class ScaleReport:
                f"{self.disk_bytes / MB:,.0f} MB on disk, {self.apparent_bytes / MB:,.0f} MB "
                f"apparent: {self.root}"]
         groups = [("folder", self.folder), ("loopback HTTP", self.http),
+                  (f"emulated Hub (hf://datasets/{HUB_REPO})", self.hub),
                   *((f"worker {n} (HTTP)", w) for n, w in enumerate(self.workers))]
         out += [f"{label}: " + ", ".join(f"{k} {_shown(k, v)}" for k, v in asdict(g).items())
                 for label, g in groups]
@@ -439,14 +548,14 @@ def _shown(name: str, value: float) -> str:
 
 def evaluate_targets(report: ScaleReport) -> list[Target]:
     """The targets of :data:`TARGETS` with the measured values."""
-    f, h, s = report.folder, report.http, report.simulation
+    places, s = (report.folder, report.http, report.hub), report.simulation
     measured = {
-        "index_rss": max(f.index_peak_rss_bytes, h.index_peak_rss_bytes) / MB,
-        "construct_local": max(f.cold_s, f.warm_s),
-        "construct_http": max(h.cold_s, h.warm_s),
-        "identity_requests": 1000 * h.cold_requests / s["video_files"],
-        "worker_private": max(w.private_gained_bytes for w in report.workers) / MB,
-        "index_disk": max(f.index_disk_bytes, h.index_disk_bytes) / s["samples"],
+        "index_rss": max(p.index_peak_rss_bytes for p in places) / MB,
+        "construct_local": max(report.folder.cold_s, report.folder.warm_s),
+        "construct_http": max(max(p.cold_s, p.warm_s) for p in places[1:]),
+        "identity_requests": 1000 * report.hub.cold_identity_requests / s["video_files"],
+        "worker_private": max(w.index_share_bytes for w in report.workers) / MB,
+        "index_disk": max(p.index_disk_bytes for p in places) / s["samples"],
     }
     return [Target(key, text, f"{measured[key]:,.2f}", measured[key] <= most)
             for key, (text, most) in TARGETS.items()]
@@ -465,14 +574,16 @@ def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None
     files = [p.stat() for p in root.rglob("*") if p.is_file()]
     with tempfile.TemporaryDirectory(prefix="refstream-scale-") as scratch, \
             demo.serve_directory(root) as server:
-        say("refstream index and StreamingDataset from the folder")
-        folder = _measure_place(str(root), Path(scratch) / "folder", server)
-        say("refstream index and StreamingDataset over loopback HTTP")
-        http = _measure_place(server.url, Path(scratch) / "http", server)
+        server.route = hub_route(root, server.url)
+        places = {}
+        for name, where in (("folder", str(root)), ("http", server.url),
+                            ("hub", f"hf://datasets/{HUB_REPO}")):
+            say(f"refstream index and StreamingDataset from {where}")
+            places[name] = _measure_place(where, Path(scratch) / name, server)
         say(f"memory of {config.workers} workers")
         workers = _worker_memory(server, Path(scratch) / "http", config.workers)
     report = ScaleReport(config, str(root), json.loads((root / FACTS).read_text()),
                          sum(f.st_blocks * 512 for f in files), sum(f.st_size for f in files),
-                         folder, http, workers, [], 0.0)
+                         **places, workers=workers, targets=[], seconds=0.0)
     return replace(report, targets=evaluate_targets(report),
                    seconds=time.perf_counter() - started)
