@@ -205,7 +205,7 @@ def test_loopback_server_ranges_etag_keepalive(tmp_path):
         response, _ = _request(conn, "GET", "/sub/file.bin", {"Range": "bytes=0-0"})
         assert conn.sock is first_socket  # the same connection served every request
         conn.close()
-        assert server.requests == 8
+        assert len(server.log) == 8
         assert server.body_bytes == 10 + 5 + 24 + len(payload) + len(b"not found\n") + 1
 
 
