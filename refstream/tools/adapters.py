@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from requests.structures import CaseInsensitiveDict
 
+from refstream import resume
 from refstream.budget import ByteBudget
 from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
@@ -32,17 +33,6 @@ from refstream.hub import hub_endpoint, parse_hf_root
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index_bytes
 from refstream.planner import Planner
-from refstream.resume import (
-    Course,
-    Order,
-    ResumeSetup,
-    ResumeState,
-    Segment,
-    batches_per_worker,
-    delivered_by,
-    epoch_batches,
-    resume_positions,
-)
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
@@ -129,35 +119,19 @@ def kind_shard(case: dict) -> dict:
 
 def kind_limits(case: dict) -> dict:
     """Kind ``limits`` (SPEC §2.4)."""
-    limits = split_limits(
-        case["num_workers"],
-        pool_size=case["pool_size"],
-        byte_budget=case["byte_budget"],
-        decoder_cache=case["decoder_cache"],
-        cameras=case["cameras"],
-    )
-    return {
-        "pool_size": limits.pool_size,
-        "byte_budget": limits.byte_budget,
-        "decoder_cache": limits.decoder_cache,
-    }
+    limits = split_limits(case["num_workers"], pool_size=case["pool_size"],
+                          byte_budget=case["byte_budget"], decoder_cache=case["decoder_cache"],
+                          cameras=case["cameras"])
+    return {name: getattr(limits, name) for name in ("pool_size", "byte_budget", "decoder_cache")}
 
 
 def kind_plan(case: dict) -> dict:
     """Kind ``plan`` (SPEC §3.8)."""
-    planner = Planner(
-        case["episodes"],
-        case["frames"],
-        seed=decode_u64(case["seed"]),
-        epoch=case["epoch"],
-        rank=case["rank"],
-        worker=case["worker"],
-        strategy=case["strategy"],
-        pool_size=case["pool_size"],
-        byte_sizes=case.get("byte_sizes"),
-        byte_budget=case.get("byte_budget"),
-        delivered=case.get("delivered"),
-    )
+    planner = Planner(case["episodes"], case["frames"], seed=decode_u64(case["seed"]),
+                      epoch=case["epoch"], rank=case["rank"], worker=case["worker"],
+                      strategy=case["strategy"], pool_size=case["pool_size"],
+                      byte_sizes=case.get("byte_sizes"), byte_budget=case.get("byte_budget"),
+                      delivered=case.get("delivered"))
     planner.skip(case.get("skip", 0))
     frontier = planner.frontier(case.get("frontier", 0))
     anchors = [list(anchor) for anchor in planner]
@@ -167,31 +141,23 @@ def kind_plan(case: dict) -> dict:
 
 def kind_batches_per_worker(case: dict) -> dict:
     """Kind ``batches_per_worker`` (SPEC §3.8)."""
-    counts, next_worker = batches_per_worker(case["batches"], case["limits"])
+    counts, next_worker = resume.batches_per_worker(case["batches"], case["limits"])
     return {"counts": counts, "next": next_worker}
 
 
 def kind_resume(case: dict) -> dict:
     """Kind ``resume`` (SPEC §3.8)."""
-    positions = resume_positions(
-        case["worker_frames"],
-        case["batch_size"],
-        epoch=case["epoch"],
-        samples=case["samples"],
-        repeat=case["repeat"],
-        rank_batches=case.get("rank_batches"),
-    )
-    return {
-        "epochs": list(positions.epochs),
-        "offsets": list(positions.offsets),
-        "stops": list(positions.stops),
-        "rotation": positions.rotation,
-    }
+    positions = resume.resume_positions(case["worker_frames"], case["batch_size"],
+                                        epoch=case["epoch"], samples=case["samples"],
+                                        repeat=case["repeat"],
+                                        rank_batches=case.get("rank_batches"))
+    return {"epochs": list(positions.epochs), "offsets": list(positions.offsets),
+            "stops": list(positions.stops), "rotation": positions.rotation}
 
 
 def kind_epoch_batches(case: dict) -> dict:
     """Kind ``epoch_batches`` (SPEC §3.8)."""
-    return {"batches": epoch_batches(case["world_worker_frames"], case["batch_size"])}
+    return {"batches": resume.epoch_batches(case["world_worker_frames"], case["batch_size"])}
 
 
 def kind_resume_state(case: dict) -> dict:
@@ -199,8 +165,9 @@ def kind_resume_state(case: dict) -> dict:
     saved = dict(case["saved"])
     if "seed" in saved:
         saved["seed"] = decode_u64(saved["seed"])
-    current = ResumeSetup(**{**case["current"], "seed": decode_u64(case["current"]["seed"])})
-    state = ResumeState.from_dict(saved).resume_with(current)
+    current = resume.ResumeSetup(**{**case["current"],
+                                    "seed": decode_u64(case["current"]["seed"])})
+    state = resume.ResumeState.from_dict(saved).resume_with(current)
     return {"epoch": state.epoch, "samples": state.samples,
             "history": state.to_dict()["history"]}
 
@@ -208,13 +175,15 @@ def kind_resume_state(case: dict) -> dict:
 def kind_elastic_resume(case: dict) -> dict:
     """Kind ``elastic_resume`` (SPEC §3.9). The seed is a 64-bit field."""
     sizes = case.get("byte_sizes")
-    order = Order(tuple(case["episodes"]), tuple(case["frames"]),
-                  seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
-                  pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
-                  repeat=case["repeat"], byte_sizes=None if sizes is None else tuple(sizes))
-    delivered = delivered_by(order, case["epoch"], [Segment(*h) for h in case["history"]])
-    course = Course(order, delivered, case["world_size"], case["num_workers"],
-                    case["batch_size"])
+    order = resume.Order(tuple(case["episodes"]), tuple(case["frames"]),
+                         seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
+                         pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
+                         repeat=case["repeat"],
+                         byte_sizes=None if sizes is None else tuple(sizes))
+    history = [resume.Segment(*segment) for segment in case["history"]]
+    delivered = resume.delivered_by(order, case["epoch"], history)
+    course = resume.Course(order, delivered, case["world_size"], case["num_workers"],
+                           case["batch_size"])
     by_episode = None if sizes is None else dict(zip(case["episodes"], sizes, strict=True))
     last = delivered.first + len(delivered.counts) - 1 if case["repeat"] else delivered.first
     workers = []
@@ -298,12 +267,8 @@ def _case_file(description: dict) -> bytes:
 
 def kind_windows(case: dict) -> dict:
     """Kind ``windows`` (SPEC §5.3)."""
-    windows = make_windows(
-        case["delta_timestamps"],
-        case["fps"],
-        case["tolerance_s"],
-        feature_keys=case.get("feature_keys"),
-    )
+    windows = make_windows(case["delta_timestamps"], case["fps"], case["tolerance_s"],
+                           feature_keys=case.get("feature_keys"))
     rows: dict[str, list] = {key: [] for key in windows.offsets}
     is_pad: dict[str, list] = {key: [] for key in windows.offsets}
     for frame in case["frames"]:
@@ -311,11 +276,8 @@ def kind_windows(case: dict) -> dict:
             key_rows, key_pad = window_rows(offsets, frame, case["length"])
             rows[key].append(key_rows.tolist())
             is_pad[key].append(key_pad.tolist())
-    return {
-        "offsets": {key: offsets.tolist() for key, offsets in windows.offsets.items()},
-        "rows": rows,
-        "is_pad": is_pad,
-    }
+    offsets = {key: offsets.tolist() for key, offsets in windows.offsets.items()}
+    return {"offsets": offsets, "rows": rows, "is_pad": is_pad}
 
 
 def kind_range_response(case: dict) -> dict:
@@ -471,8 +433,6 @@ def kind_synth(case_input: dict) -> dict:
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
-
-
 def kind_doctor_tiling(case: dict) -> dict:
     """Kind ``doctor_tiling`` (SPEC §11.3)."""
     tiling = episode_tiling(*(np.asarray(case[k], np.int64)
@@ -495,28 +455,6 @@ def kind_doctor_requests(case: dict) -> dict:
     return {"unserved": unserved.tolist()}
 
 
-ADAPTERS = {
-    "rng": kind_rng,
-    "shard": kind_shard,
-    "limits": kind_limits,
-    "plan": kind_plan,
-    "batches_per_worker": kind_batches_per_worker,
-    "resume": kind_resume,
-    "epoch_batches": kind_epoch_batches,
-    "resume_state": kind_resume_state,
-    "elastic_resume": kind_elastic_resume,
-    "meta": kind_meta,
-    "windows": kind_windows,
-    "range_response": kind_range_response,
-    "suffix_response": kind_suffix_response,
-    "hf_url": kind_hf_url,
-    "row_group_candidates": kind_row_group_candidates,
-    "budget_ops": kind_budget_ops,
-    "frame_select": kind_frame_select,
-    "sidecar_record": kind_sidecar_record,
-    "mp4_index": kind_mp4_index,
-    "span": kind_span,
-    "synth": kind_synth,
-    "doctor_tiling": kind_doctor_tiling,
-    "doctor_requests": kind_doctor_requests,
-}
+# Kind NAME is answered by kind_NAME.
+ADAPTERS = {name.removeprefix("kind_"): adapter for name, adapter in list(globals().items())
+            if name.startswith("kind_")}

@@ -1,25 +1,14 @@
 """Run the golden fixtures in ``spec/fixtures`` against an implementation.
 
-The protocol, the encoding and the case format are specified in ``spec/README.md``; the kinds
-and their schemas in ``spec/SPEC.md``. In short: a *case* is one JSON file
-``<fixtures>/<area>/<name>.json`` holding ``{"kind", "description", "input", "expected"}``; an
-*implementation* is a command, started once per case inside the fixtures folder, that reads
-``{"kind", "input"}`` from its standard input and writes its answer, one JSON object, to its
-standard output. The answer passes when it equals ``expected`` (:func:`first_difference`).
+The protocol, the encoding and the case format are in ``spec/README.md``, the kinds in
+``spec/SPEC.md``: an implementation is a command, started once per case inside the fixtures
+folder, reading ``{"kind", "input"}`` on stdin and writing its answer as one JSON object; the
+answer passes when it equals the case's ``expected`` (:func:`first_difference`).
 
-refstream's own adapter (``python -m refstream.tools.conformance``) is the default
-implementation; with no ``--impl`` the runner calls the same adapter functions in-process,
-through the same JSON round trip, which is much faster than one interpreter per case.
-
-Usage::
-
-    refstream conformance                      # refstream itself
-    refstream conformance --impl "./my-impl"   # any command speaking the protocol
-    refstream conformance --kind plan          # only cases of one kind
-    refstream conformance --fixtures PATH      # the spec/fixtures folder of a source checkout
-
-The fixtures are part of refstream's source, not of the installed package: an installed
-refstream needs ``--fixtures`` (:func:`fixtures_folder` says so when they are missing).
+refstream's own adapter (``python -m refstream.tools.conformance``) is the default; with no
+``--impl`` the runner calls the same adapters in-process (:func:`in_process`), through the same
+JSON round trip. The fixtures are not part of the installed package: an installed refstream
+needs ``--fixtures`` (:func:`fixtures_folder` says so).
 """
 
 from __future__ import annotations
@@ -128,15 +117,8 @@ def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case],
     def ask(case: Case) -> dict:
         request = json.dumps({"kind": case.kind, "input": case.input}, ensure_ascii=False)
         try:
-            done = subprocess.run(
-                argv,
-                input=request,
-                capture_output=True,
-                text=True,
-                encoding="utf-8",
-                timeout=CASE_TIMEOUT_S,
-                cwd=fixtures,
-            )
+            done = subprocess.run(argv, input=request, capture_output=True, encoding="utf-8",
+                                  timeout=CASE_TIMEOUT_S, cwd=fixtures)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {CASE_TIMEOUT_S} s"}
         if done.returncode != 0:

@@ -1,4 +1,4 @@
-"""``refstream doctor``: is a dataset safe to train on? Checked before anyone trains.
+"""``refstream doctor``: is a dataset safe to train on? Checked before anyone trains (SPEC §11).
 
 Usage (``refstream doctor ROOT|URL [--json]`` does the same from the shell)::
 
@@ -7,50 +7,13 @@ Usage (``refstream doctor ROOT|URL [--json]`` does the same from the shell)::
     report.ok                                   # True when every check passed: safe to train
     print(report.table())                       # or json.dumps(report.as_dict())
 
-``source`` is a :mod:`refstream.source` source (``read_bytes``, ``read_range``, ``size``,
-``identity``); the dataset is only read, never written. Each check is one :class:`Check` row of
-the :class:`Report`, in this order; the checks after the first are skipped (and count as
-failed) when the metadata cannot be loaded:
-
-1. **metadata** — :func:`refstream.meta.load_meta` succeeds: ``info.json`` is LeRobot v3.0 with
-   valid templates, ``total_episodes`` equals the rows of ``meta/episodes``, ``total_frames``
-   their summed lengths, each ``length`` equals ``dataset_to_index − dataset_from_index`` (its
-   error becomes the problem); and the dataset has at least one episode.
-2. **episode boundaries** — the episodes sorted by ``(dataset_from_index, dataset_to_index,
-   episode_index)`` tile ``[0, total_frames)``: each starts where the furthest-reaching episode
-   before it ends (0 for the first), and the last frame covered is ``total_frames − 1``. A later
-   start is a gap (the frames between belong to no episode), an earlier one an overlap (both
-   episodes named). So an empty episode must sit on a boundary, not inside another episode.
-3. **data rows** — every data Parquet file is read once, projected to ``episode_index``,
-   ``frame_index``, ``index``, ``timestamp`` (and ``task_index`` when the file has it); every
-   non-video feature of ``info.json`` must be one of its columns (a sample carries them). For every
-   episode that ``meta/episodes`` places in the file: as many rows as its ``length``;
-   ``frame_index`` exactly ``0, 1, …, length − 1`` in file order (what
-   :func:`refstream.tables.read_episode_rows` requires); ``index = dataset_from_index +
-   frame_index``; finite timestamps; ``task_index`` a row of ``meta/tasks.parquet``. Rows of an
-   episode that ``meta/episodes`` places elsewhere (or nowhere) are problems too.
-4. **videos** — every video file named by an episode exists and its ``moov`` parses
-   (:func:`refstream.mp4.parse_index` over ``read_range``). Then for every episode and camera,
-   every time a sample can request has a frame that serves it (SPEC §7.1,
-   :func:`refstream.synth.serving_samples`): the request times are ``videos/K/from_timestamp +
-   timestamp`` of each of the episode's rows (LeRobot's query times; ``delta_timestamps`` windows
-   clamp rows inside the episode, so they add no other time). Where an episode's rows could not
-   be read, ``frame_index / fps`` stands in for its timestamps. Streaming also
-   plans each episode's byte span before reading its rows, from the nominal times
-   ``from_timestamp + float32(frame_index / fps)`` (:func:`refstream.synth.episode_spans`), and
-   refuses an episode whose actual times need a sample outside that span: both are checked.
-   Episodes sharing a file must claim disjoint ``[from_timestamp, to_timestamp)`` windows
-   (overlap beyond ``tolerance_s`` is a problem): else one is silently served the other's frames.
-5. **sidecar** — the video index (:mod:`refstream.sidecar`) as training would find it: the
-   cache's record of each video file's current size and content identity, and the published
-   index's (``meta/refstream-index.npz``). Each record present is read with its digest checked
-   (:func:`refstream.sidecar.read_record`); a corrupt one is a note (training ignores it and
-   indexes that file again). A valid one is trusted by training, so its every field must equal
-   what ``parse_index`` reads from the file now; a difference fails the check. Files without a
-   record are a note.
-
-A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them. Every
-problem names the file, the episode, the camera or the field involved.
+The dataset is only read, never written. Each check is one :class:`Check` row of the
+:class:`Report`, in :data:`CHECK_NAMES` order, each the rule of its SPEC section: metadata
+(§11.2), episode boundaries (§11.3, :func:`episode_tiling`), data rows (§11.4: every feature column
+is converted as streaming converts it, so a page that does not decode is named here), videos
+(§11.5, by the one "frame serves time" rule of :mod:`refstream.synth` and the streaming path's
+span rule) and sidecar (§11.6). A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and
+counts all of them.
 """
 
 from __future__ import annotations
@@ -81,16 +44,8 @@ from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
-__all__ = [
-    "Check",
-    "Report",
-    "check_dataset",
-    "Tiling",
-    "episode_tiling",
-    "unserved_requests",
-    "MAX_LISTED_PROBLEMS",
-    "CHECK_NAMES",
-]
+__all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "unserved_requests",
+           "MAX_LISTED_PROBLEMS", "CHECK_NAMES"]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
 CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar")
@@ -130,8 +85,7 @@ class Report:
         return all(check.ok for check in self.checks)
 
     def as_dict(self) -> dict:
-        """JSON-ready: ``{"root", "ok", "checks": [{name, status, ok, detail, problems,
-        problem_count}]}``."""
+        """JSON-ready, the shape of SPEC §11.1."""
         return {
             "root": self.root,
             "ok": self.ok,
@@ -335,13 +289,8 @@ def _check_rows(source: Source, meta: DatasetMeta,
 
 def _read_row_columns(source: Source, relpath: str, features: list[str],
                       problems: _Problems) -> dict[str, np.ndarray] | None:
-    """The row columns of one data file as numpy arrays, or None after adding a problem.
-
-    Every feature column is read and converted the way streaming converts it
-    (:func:`~refstream.meta.column_array`), so a page that does not decode, a null or a ragged
-    list is named here, not met in training. A feature of ``info.json`` missing from the file is
-    a problem too: a sample carries every non-video feature.
-    """
+    """The row columns of one data file as numpy arrays, or None after adding a problem; every
+    feature column is converted as streaming converts it (``meta.column_array``)."""
     try:
         parquet = pq.ParquetFile(RangeFile(source, relpath))
         names = parquet.schema_arrow.names
@@ -490,13 +439,8 @@ def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[i
 
 def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], episode: int,
                            camera: str, seconds: np.ndarray, tolerance_s: float) -> str | None:
-    """What keeps one episode's frames of one camera from being served, or None.
-
-    First the rule itself: every request time has a frame within tolerance. Then the streaming
-    path's own demand (``stream.py``): it sizes and fetches the span of the nominal times
-    (``synth.episode_spans`` without timestamps) before any row is read, and refuses an episode
-    whose actual request times need a sample outside that span.
-    """
+    """What keeps one episode's frames of one camera from being served (SPEC §11.5), or None:
+    an unserved request time, or one outside the span streaming plans from nominal times."""
     index = indexes[meta.video_relpath(episode, camera)]
     times_s = synth.request_times_s(meta, episode, camera, seconds)
     unserved = unserved_requests(index.pts, index.timescale, times_s, tolerance_s)
