@@ -199,7 +199,6 @@ STREAM_OPTIONS = ("seed", "sampling_strategy", "episode_pool_size", "prefetch_ep
 
 
 def run_stream(args) -> int:
-
     from refstream.stream import StreamingDataset
     from refstream.tools.demo import consume
 
@@ -213,20 +212,13 @@ def run_stream(args) -> int:
                                batch_size=args.batch_size, **options)
     m = consume(dataset, num_workers=args.num_workers, batch_size=args.batch_size,
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
-    summary = {
-        "root": args.root,
-        "episodes": dataset.num_episodes,
-        "frames": dataset.num_frames,
-        "samples": m.samples,
-        "batches": m.batches,
-        "seconds": round(m.seconds, 3),
-        "samples_per_s": round(m.samples_per_s, 1),
-        "first_sample_s": round(m.first_sample_s, 3),
-        "fetch_requests": m.fetch_requests,
-        "fetch_bytes": m.fetch_bytes,
-        "peak_reserved_bytes_per_worker": m.peak_reserved_bytes,
-        "budget_bytes_per_worker": m.budget_bytes,
-    }
+    summary = {"root": args.root, "episodes": dataset.num_episodes, "frames": dataset.num_frames,
+               "samples": m.samples, "batches": m.batches, "seconds": round(m.seconds, 3),
+               "samples_per_s": round(m.samples_per_s, 1),
+               "first_sample_s": round(m.first_sample_s, 3), "fetch_requests": m.fetch_requests,
+               "fetch_bytes": m.fetch_bytes,
+               "peak_reserved_bytes_per_worker": m.peak_reserved_bytes,
+               "budget_bytes_per_worker": m.budget_bytes}
     _print_summary(summary, args.json)
     return 0
 
@@ -254,7 +246,6 @@ def add_plan(subparsers) -> None:
 
 
 def run_plan(args) -> int:
-
     from refstream.meta import load_meta, select_episodes
     from refstream.source import open_source
 
@@ -289,28 +280,17 @@ def run_plan(args) -> int:
     return 0
 
 
-def _plan_summary(
-    episodes: Sequence[int],
-    frames: Sequence[int],
-    *,
-    world_size: int,
-    rank: int,
-    num_workers: int,
-    seed: int | None,
-    epoch: int,
-    strategy: str,
-    pool_size: int | None,
-    limit: int,
-) -> dict:
+def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size: int, rank: int,
+                  num_workers: int, seed: int | None, epoch: int, strategy: str,
+                  pool_size: int | None, limit: int) -> dict:
     """The shard balance of every rank, this rank's worker shares and each worker's first
     ``limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
     count = dict(zip(episodes, frames, strict=True))
     ranks = shard.lpt_partition(episodes, frames, world_size)
     share = shard.rank_share(episodes, frames, rank, world_size)
     parts = shard.worker_shares(share, [count[e] for e in share], num_workers)
-    limits = shard.split_limits(
-        num_workers, pool_size=pool_size, byte_budget=None, decoder_cache=None, cameras=0
-    )
+    limits = shard.split_limits(num_workers, pool_size=pool_size, byte_budget=None,
+                                decoder_cache=None, cameras=0)
     seed = resolve_seed(seed)
     workers = []
     for worker, part in enumerate(parts):
@@ -321,21 +301,12 @@ def _plan_summary(
         frame_total = sum(count[e] for e in part)
         workers.append({"worker": worker, "episodes": part, "frames": frame_total,
                         "anchors": anchors})
-    return {
-        "episodes": len(episodes),
-        "frames": sum(frames),
-        "world_size": world_size,
-        "rank": rank,
-        "num_workers": num_workers,
-        "seed": seed,
-        "epoch": epoch,
-        "strategy": strategy,
-        "pool_size": limits.pool_size,
-        "longest_episode": max(frames, default=0),
-        "rank_frames": [sum(count[e] for e in part) for part in ranks],
-        "worker_frames": [w["frames"] for w in workers],
-        "workers": workers,
-    }
+    return {"episodes": len(episodes), "frames": sum(frames), "world_size": world_size,
+            "rank": rank, "num_workers": num_workers, "seed": seed, "epoch": epoch,
+            "strategy": strategy, "pool_size": limits.pool_size,
+            "longest_episode": max(frames, default=0),
+            "rank_frames": [sum(count[e] for e in part) for part in ranks],
+            "worker_frames": [w["frames"] for w in workers], "workers": workers}
 
 
 COMMANDS.append(add_plan)
@@ -352,7 +323,6 @@ def add_index(subparsers) -> None:
 
 
 def run_index(args) -> int:
-
     from pathlib import Path
 
     from refstream import sidecar
