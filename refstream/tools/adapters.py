@@ -109,12 +109,9 @@ def kind_shard(case: dict) -> dict:
     ranks = [rank_share(ids, frames, r, case["world_size"])
              for r in range(max(1, case["world_size"]))]
     workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
-    return {
-        "ranks": ranks,
-        "rank_frames": [sum(count[e] for e in r) for r in ranks],
-        "workers": workers,
-        "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers],
-    }
+    return {"ranks": ranks, "rank_frames": [sum(count[e] for e in r) for r in ranks],
+            "workers": workers,
+            "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers]}
 
 
 def kind_limits(case: dict) -> dict:
@@ -203,13 +200,9 @@ def kind_elastic_resume(case: dict) -> dict:
 
 
 # Arrow types a conformance case may give a Parquet column.
-CASE_COLUMN_TYPES = {
-    "int64": pa.int64(),
-    "float64": pa.float64(),
-    "string": pa.string(),
-    "list<string>": pa.list_(pa.string()),
-    "list<float64>": pa.list_(pa.float64()),
-}
+CASE_COLUMN_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
+                     "list<string>": pa.list_(pa.string()),
+                     "list<float64>": pa.list_(pa.float64())}
 
 
 class MemorySource:
@@ -228,12 +221,9 @@ def kind_meta(case: dict) -> dict:
     """Kind ``meta`` (SPEC §4.6): the case's files become the dataset's bytes."""
     meta = load_meta(MemorySource({path: _case_file(f) for path, f in case["files"].items()}))
     ids = [int(e) for e in meta.episode_index]
-    answer = {
-        "fps": meta.fps,
-        "camera_keys": meta.camera_keys,
-        "parquet_keys": meta.parquet_keys,
-        "total_episodes": meta.total_episodes,
-        "total_frames": meta.total_frames,
+    answer = {name: getattr(meta, name) for name in (
+        "fps", "camera_keys", "parquet_keys", "total_episodes", "total_frames", "tasks")}
+    answer |= {
         "episode_index": ids,
         "from_index": meta.from_index.tolist(),
         "to_index": meta.to_index.tolist(),
@@ -242,7 +232,6 @@ def kind_meta(case: dict) -> dict:
         "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
         "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
         "video_to_s": {k: meta.video_to_s[k].tolist() for k in meta.camera_keys},
-        "tasks": meta.tasks,
     }
     if "select" in case:
         answer["selection"] = select_episodes(meta, case["select"])
@@ -350,14 +339,9 @@ def kind_budget_ops(case: dict) -> dict:
             results.append({"error": type(exc).__name__})
         evicted.append(budget.take_evicted())
     snap = budget.snapshot()
-    return {
-        "results": results,
-        "evicted": evicted,
-        "lru": budget.lru_order(),
-        "reserved_bytes": snap.reserved_bytes,
-        "resident_bytes": snap.resident_bytes,
-        "leases": snap.leases,
-    }
+    return {"results": results, "evicted": evicted, "lru": budget.lru_order(),
+            "reserved_bytes": snap.reserved_bytes, "resident_bytes": snap.resident_bytes,
+            "leases": snap.leases}
 
 
 def kind_frame_select(case: dict) -> dict:
@@ -438,13 +422,9 @@ def kind_doctor_tiling(case: dict) -> dict:
     tiling = episode_tiling(*(np.asarray(case[k], np.int64)
                               for k in ("episode_index", "from_index", "to_index")),
                             int(case["total_frames"]))
-    return {
-        "gaps": [list(gap) for gap in tiling.gaps],
-        "overlaps": [list(overlap) for overlap in tiling.overlaps],
-        "covered_to": tiling.covered_to,
-        "tiled": not tiling.gaps and not tiling.overlaps
-        and tiling.covered_to == case["total_frames"],
-    }
+    tiled = not tiling.gaps and not tiling.overlaps and tiling.covered_to == case["total_frames"]
+    return {"gaps": [list(gap) for gap in tiling.gaps], "covered_to": tiling.covered_to,
+            "overlaps": [list(overlap) for overlap in tiling.overlaps], "tiled": tiled}
 
 
 def kind_doctor_requests(case: dict) -> dict:

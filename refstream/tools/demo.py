@@ -1,36 +1,25 @@
-"""A small, real LeRobot v3 dataset and a loopback HTTP server to stream it from.
-
-This module exists for ``refstream demo`` and for tests; it is not part of the streaming path.
+"""A small, real LeRobot v3 dataset and a loopback HTTP server to stream it from; for
+``refstream demo``, the bench and the tests, not the streaming path.
 
 ``write_demo_dataset(root, ...)`` writes the layout LeRobot's recorder writes (``meta/info.json``,
 ``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` with its
-``stats/*`` columns, ``data/chunk-CCC/file-FFF.parquet`` with one row group per episode, and
-``videos/<camera>/chunk-CCC/file-FFF.mp4``). Like LeRobot, each episode is encoded as its own video
-with PyAV and the episodes of a file are then concatenated packet by packet, so episode ``k`` of a
-file occupies source time ``[from_timestamp, to_timestamp)`` where ``from_timestamp`` is the
-previous episode's ``to_timestamp`` (0.0 in a new file) and ``to_timestamp = from_timestamp +
-length / fps``.
+``stats/*`` columns, data Parquet with one row group per episode, videos). Like LeRobot, each
+episode is encoded as its own video with PyAV and the episodes of a file are concatenated packet
+by packet, each starting at the previous one's ``to_timestamp``.
 
-Every frame carries its label: the picture is a grid of 4 × 3 flat grey blocks; the top row holds
-the episode id and the middle row the frame index, each as four base-8 digits (most significant
-first), digit ``d`` drawn at grey level ``24 + 28·d``; odd frames are drawn inverted
-(``255 − level``) and the bottom row is a parity marker (dark for even frames, bright for odd), so
-every block changes from one frame to the next. Flat blocks survive lossy coding;
-``read_frame_label(frame)`` reads the centre of each block back and refuses a frame whose blocks
-are more than ``LABEL_TOLERANCE`` grey levels from a digit or whose marker disagrees. Rows follow
-the LeRobot oracle's convention: ``observation.state[0] = episode``, ``observation.state[1] =
-frame``, ``action = episode + frame / 1000`` (float32), task ``TASKS[episode % 2]``.
+Every frame carries its label (:func:`frame_picture`): 4 × 3 flat grey blocks, the top row the
+episode id and the middle row the frame index, each as four base-8 digits, digit ``d`` at grey
+level ``24 + 28·d``; odd frames are inverted and the bottom row marks the parity, so every block
+changes from one frame to the next. Flat blocks survive lossy coding; :func:`read_frame_label`
+reads them back or refuses the frame. Rows follow the LeRobot oracle's convention:
+``observation.state[0] = episode``, ``observation.state[1] = frame``, ``action = episode +
+frame / 1000`` (float32), task ``TASKS[episode % 2]``.
 
-``consume(dataset, ...)`` runs a DataLoader over a :class:`~refstream.stream.StreamingDataset`
-with a progress bar and measures it (``refstream stream``); ``run_demo()`` is ``refstream demo``:
-write a dataset, serve it, stream one epoch with two workers, verify every sample against its
-label and report what was measured.
-
-``serve_directory(root)`` is a context manager serving a folder on ``127.0.0.1`` (ephemeral port)
-with HTTP/1.1 keep-alive, ``HEAD``/``GET``, one ``Range`` per request (206 + ``Content-Range``;
-416 when unsatisfiable), a strong ``ETag`` from size and mtime, and counters of requests and body
-bytes. It yields a :class:`LoopbackServer` whose ``url`` is the dataset's base URL (its ``hold``
-callback, when set, sees every request first and may keep it waiting).
+``serve_directory(root)`` serves a folder on ``127.0.0.1`` (HTTP/1.1 keep-alive, ``HEAD``/``GET``,
+one ``Range`` per request, a strong ``ETag``) and yields a :class:`LoopbackServer` that logs every
+request; its ``route`` may answer other paths (the bench's emulated Hub), its ``hold`` may keep a
+request waiting. ``consume(dataset, ...)`` streams through a DataLoader and measures it
+(``refstream stream``); ``run_demo()`` is ``refstream demo``.
 """
 
 from __future__ import annotations
@@ -57,21 +46,9 @@ import pyarrow.parquet as pq
 
 from refstream.meta import next_file
 
-__all__ = [
-    "TASKS",
-    "LABEL_TOLERANCE",
-    "write_demo_dataset",
-    "frame_picture",
-    "read_frame_label",
-    "info_document",
-    "LoopbackServer",
-    "serve_directory",
-    "environment",
-    "StreamMeasurement",
-    "consume",
-    "DemoReport",
-    "run_demo",
-]
+__all__ = ["TASKS", "LABEL_TOLERANCE", "write_demo_dataset", "frame_picture", "read_frame_label",
+           "info_document", "LoopbackServer", "serve_directory", "environment",
+           "StreamMeasurement", "consume", "DemoReport", "run_demo"]
 
 TASKS = ("pick the cube", "place the cube")
 CHUNKS_SIZE = 1000  # LeRobot's DEFAULT_CHUNK_SIZE: files per chunk directory
@@ -93,11 +70,11 @@ LABEL_MAX = LABEL_BASE**LABEL_COLUMNS  # episodes and frames must stay below thi
 MARKER_EVEN = 16
 MARKER_ODD = 240
 
-# Encoder settings per codec: LeRobot's defaults for SVT-AV1; H.264 gets B-frames for tests.
 # Camera statistics are estimated on at most this many frames, drawn this small (pixels, longer
 # side), as LeRobot estimates image statistics on sampled, downsampled frames.
 IMAGE_STAT_FRAMES = 8
 IMAGE_STAT_PIXELS = 80
+# Encoder settings per codec: LeRobot's defaults for SVT-AV1; H.264 gets B-frames for tests.
 ENCODER_NAMES = {"libsvtav1": "av1", "libx264": "h264"}
 ENCODER_CRF = {"libsvtav1": 30, "libx264": 23}
 SVT_PRESET = 12
@@ -140,13 +117,8 @@ def _centre_level(picture: np.ndarray, row: int, column: int) -> float:
 
 
 def read_frame_label(frame: np.ndarray) -> tuple[int, int]:
-    """``(episode, frame)`` drawn in a decoded picture.
-
-    ``frame`` is uint8 ``(C, H, W)`` (the layout samples use) or ``(H, W, C)``; a leading axis of
-    1 or 3 that is not also the last axis's size is taken as channels-first. Raises ``ValueError``
-    when a block centre is not within ``LABEL_TOLERANCE`` of a digit's grey level, or the parity
-    marker disagrees with the frame number read.
-    """
+    """``(episode, frame)`` drawn in a uint8 ``(C, H, W)`` or ``(H, W, C)`` picture; ValueError
+    when a block is not within ``LABEL_TOLERANCE`` of a digit or the parity marker disagrees."""
     picture = np.asarray(frame)
     if picture.ndim != 3:
         raise ValueError(f"expected a 3-D picture, got shape {picture.shape}")
@@ -280,32 +252,24 @@ def _concatenate(episode_videos: Sequence[bytes], lengths: Sequence[int], fps: i
 # --- Parquet writers ------------------------------------------------------------------------
 
 
-def _hf_features(features: dict) -> dict:
-    """The ``huggingface`` schema metadata HF ``datasets`` stores with the data files."""
-    out = {}
+def _data_schema(features: dict) -> pa.Schema:
+    """The data files' columns: every non-video feature, with the ``huggingface`` schema
+    metadata HF ``datasets`` stores."""
+    fields, described = [], {}
     for name, feature in features.items():
         if feature["dtype"] == "video":
             continue
+        value_type = pa.from_numpy_dtype(np.dtype(feature["dtype"]))
         value = {"dtype": feature["dtype"], "_type": "Value"}
         if feature["shape"] == [1]:
-            out[name] = value
+            fields.append(pa.field(name, value_type))
+            described[name] = value
         else:
-            out[name] = {"feature": value, "length": feature["shape"][0], "_type": "List"}
-    return {"info": {"features": out}}
-
-
-def _data_schema(features: dict) -> pa.Schema:
-    fields = [
-        pa.field("observation.state", pa.list_(pa.float32(), 6)),
-        pa.field("action", pa.list_(pa.float32(), 6)),
-        pa.field("timestamp", pa.float32()),
-        pa.field("frame_index", pa.int64()),
-        pa.field("episode_index", pa.int64()),
-        pa.field("index", pa.int64()),
-        pa.field("task_index", pa.int64()),
-    ]
-    metadata = {b"huggingface": json.dumps(_hf_features(features)).encode()}
-    return pa.schema(fields, metadata=metadata)
+            length = feature["shape"][0]
+            fields.append(pa.field(name, pa.list_(value_type, length)))
+            described[name] = {"feature": value, "length": length, "_type": "List"}
+    metadata = {"info": {"features": described}}
+    return pa.schema(fields, metadata={b"huggingface": json.dumps(metadata).encode()})
 
 
 def _episode_rows(episode: int, length: int, first_index: int, fps: int) -> dict[str, np.ndarray]:
@@ -314,27 +278,24 @@ def _episode_rows(episode: int, length: int, first_index: int, fps: int) -> dict
     state[:, 0] = episode
     state[:, 1] = frame
     action = np.repeat((episode + frame / 1000).astype(np.float32)[:, None], 6, axis=1)
-    return {
-        "observation.state": state,
-        "action": action,
-        "timestamp": (frame / fps).astype(np.float32),
-        "frame_index": frame,
-        "episode_index": np.full(length, episode, dtype=np.int64),
-        "index": first_index + frame,
-        "task_index": np.full(length, episode % len(TASKS), dtype=np.int64),
-    }
+    return {"observation.state": state, "action": action,
+            "timestamp": (frame / fps).astype(np.float32), "frame_index": frame,
+            "episode_index": np.full(length, episode, dtype=np.int64),
+            "index": first_index + frame,
+            "task_index": np.full(length, episode % len(TASKS), dtype=np.int64)}
+
+
+def fixed_size_lists(values: np.ndarray) -> pa.Array:
+    """Each row of ``values`` as a (nested) fixed-size list; 1-D values as they are."""
+    array = pa.array(values.reshape(-1))
+    for size in reversed(values.shape[1:]):
+        array = pa.FixedSizeListArray.from_arrays(array, size)
+    return array
 
 
 def _rows_table(rows: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
-    columns = []
-    for field_ in schema:
-        values = rows[field_.name]
-        if values.ndim == 2:
-            flat = pa.array(values.reshape(-1), type=field_.type.value_type)
-            columns.append(pa.FixedSizeListArray.from_arrays(flat, values.shape[1]))
-        else:
-            columns.append(pa.array(values, type=field_.type))
-    return pa.Table.from_arrays(columns, schema=schema)
+    return pa.Table.from_arrays([fixed_size_lists(rows[name]) for name in schema.names],
+                                schema=schema)
 
 
 def _tasks_table() -> pa.Table:
@@ -343,20 +304,14 @@ def _tasks_table() -> pa.Table:
         "index_columns": ["task"],
         "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
                             "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
-        "columns": [
-            {"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
-             "numpy_type": "int64", "metadata": None},
-            {"name": "task", "field_name": "task", "pandas_type": "unicode",
-             "numpy_type": "object", "metadata": None},
-        ],
-        "attributes": {},
-        "creator": {"library": "pyarrow", "version": pa.__version__},
-        "pandas_version": "2.3.3",
-    }
-    schema = pa.schema(
-        [pa.field("task_index", pa.int64()), pa.field("task", pa.string())],
-        metadata={b"pandas": json.dumps(pandas_metadata).encode()},
-    )
+        "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
+                     "numpy_type": "int64", "metadata": None},
+                    {"name": "task", "field_name": "task", "pandas_type": "unicode",
+                     "numpy_type": "object", "metadata": None}],
+        "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.3.3"}
+    schema = pa.schema([pa.field("task_index", pa.int64()), pa.field("task", pa.string())],
+                       metadata={b"pandas": json.dumps(pandas_metadata).encode()})
     return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
 
 
@@ -421,22 +376,14 @@ def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
               bframes: int) -> dict:
     features: dict = {}
     for camera, (width, height) in sizes.items():
-        info = {
-            "video.height": height,
-            "video.width": width,
-            "video.codec": ENCODER_NAMES[codec],
-            "video.pix_fmt": "yuv420p",
-            "video.fps": fps,
-            "video.channels": 3,
-            "has_audio": False,
-            "video.g": gop,
-            "video.crf": ENCODER_CRF[codec],
-            "video.preset": SVT_PRESET if codec == "libsvtav1" else None,
-            "video.fast_decode": 0,
-            "video.video_backend": "pyav",
-            "video.extra_options": {} if codec == "libsvtav1" else {"bf": bframes},
-            "is_depth_map": False,
-        }
+        info = {"video.height": height, "video.width": width,
+                "video.codec": ENCODER_NAMES[codec], "video.pix_fmt": "yuv420p",
+                "video.fps": fps, "video.channels": 3, "has_audio": False, "video.g": gop,
+                "video.crf": ENCODER_CRF[codec],
+                "video.preset": SVT_PRESET if codec == "libsvtav1" else None,
+                "video.fast_decode": 0, "video.video_backend": "pyav",
+                "video.extra_options": {} if codec == "libsvtav1" else {"bf": bframes},
+                "is_depth_map": False}
         features[camera] = {"dtype": "video", "shape": [height, width, 3],
                             "names": ["height", "width", "channels"], "info": info}
     for name in ("observation.state", "action"):
@@ -518,10 +465,8 @@ def _write_episodes(root: Path, lengths: list[int], first_index: np.ndarray, row
 
 def _episode_stats(rows: dict[str, np.ndarray],
                    sizes: dict[str, tuple[int, int]]) -> dict[str, dict]:
-    """Statistics like LeRobot's: exact for row features; for cameras, estimated (as LeRobot
-    does) on at most ``IMAGE_STAT_FRAMES`` evenly spaced frames drawn at most
-    ``IMAGE_STAT_PIXELS`` on the longer side — refstream never reads them, and exact image
-    statistics cost ~40 ms per frame and camera at 320×240."""
+    """Statistics like LeRobot's: exact for row features; for cameras estimated, as LeRobot
+    does, on a few small frames (refstream never reads them)."""
     stats = {}
     step = max(1, -(-len(rows["frame_index"]) // IMAGE_STAT_FRAMES))
     labels = list(zip(rows["episode_index"][::step].tolist(), rows["frame_index"][::step].tolist(),
@@ -541,21 +486,12 @@ def info_document(features: dict, fps: int, episodes: int, frames: int, robot_ty
                   video_files_size_in_mb: int = 200) -> dict:
     """``meta/info.json`` of a dataset of ``TASKS`` with these features and totals."""
     has_video = any(f["dtype"] == "video" for f in features.values())
-    return {
-        "codebase_version": "v3.0",
-        "fps": fps,
-        "features": features,
-        "total_episodes": episodes,
-        "total_frames": frames,
-        "total_tasks": len(TASKS),
-        "chunks_size": CHUNKS_SIZE,
-        "data_files_size_in_mb": 100,
-        "video_files_size_in_mb": video_files_size_in_mb,
-        "data_path": DATA_PATH,
-        "video_path": VIDEO_PATH if has_video else None,
-        "robot_type": robot_type,
-        "splits": {"train": f"0:{episodes}"},
-    }
+    return {"codebase_version": "v3.0", "fps": fps, "features": features,
+            "total_episodes": episodes, "total_frames": frames, "total_tasks": len(TASKS),
+            "chunks_size": CHUNKS_SIZE, "data_files_size_in_mb": 100,
+            "video_files_size_in_mb": video_files_size_in_mb, "data_path": DATA_PATH,
+            "video_path": VIDEO_PATH if has_video else None, "robot_type": robot_type,
+            "splits": {"train": f"0:{episodes}"}}
 
 
 def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[int],

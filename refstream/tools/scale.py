@@ -190,14 +190,6 @@ def _place(numbers, key: str = "") -> dict:
             f"{key}/file_index" if key else "file_index": numbers % demo.CHUNKS_SIZE}
 
 
-def _nested(values: np.ndarray) -> pa.Array:
-    """Each row of ``values`` as a (nested) fixed-size list."""
-    array = pa.array(values.reshape(-1))
-    for size in reversed(values.shape[1:]):
-        array = pa.FixedSizeListArray.from_arrays(array, size)
-    return array
-
-
 def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> dict:
     """Write the simulation of ``config`` under ``root`` (module docstring); return its facts,
     also kept in ``root/simulation.json``."""
@@ -231,8 +223,8 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
         shape = (3, 1, 1) if feature["dtype"] == "video" else tuple(feature["shape"])
         parts = {s: rng.random((config.episodes, *shape)) for s in ("min", "max", "mean", "std",
                                                                     *demo.QUANTILES)}
-        columns |= {f"stats/{name}/{s}": _nested(v) for s, v in parts.items()}
-        columns[f"stats/{name}/count"] = _nested(lengths[:, None])
+        columns |= {f"stats/{name}/{s}": demo.fixed_size_lists(v) for s, v in parts.items()}
+        columns[f"stats/{name}/count"] = demo.fixed_size_lists(lengths[:, None])
         stats[name] = {s: v.mean(0).tolist() for s, v in parts.items()} | {"count": [frames]}
     table = pa.table(columns)
     per_file = max(1, 100 * MIB * table.num_rows // table.nbytes)  # ~100 MB files, as LeRobot
