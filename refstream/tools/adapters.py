@@ -37,9 +37,9 @@ from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
 from refstream.source import LocalSource
-from refstream.synth import select_span, span_of, synthesize, synthesized_size
+from refstream.synth import select_span, serving_samples, span_of, synthesize, synthesized_size
 from refstream.tables import candidate_row_groups
-from refstream.tools.doctor import episode_tiling, unserved_requests
+from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
 
 # The fixtures of a source checkout: <repo>/spec/fixtures (absent from an installed package).
@@ -429,10 +429,10 @@ def kind_doctor_tiling(case: dict) -> dict:
 
 def kind_doctor_requests(case: dict) -> dict:
     """Kind ``doctor_requests`` (SPEC §11.5)."""
-    unserved = unserved_requests(np.asarray(case["pts"], np.int64), int(case["timescale"]),
-                                 np.asarray(case["times_s"], np.float64),
-                                 float(case["tolerance_s"]))
-    return {"unserved": unserved.tolist()}
+    times_s = np.asarray(case["times_s"], np.float64)
+    served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
+                             float(case["tolerance_s"]))
+    return {"unserved": served.unserved(len(times_s)).tolist()}
 
 
 # Kind NAME is answered by kind_NAME.

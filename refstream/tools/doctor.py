@@ -44,8 +44,8 @@ from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
-__all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "unserved_requests",
-           "MAX_LISTED_PROBLEMS", "CHECK_NAMES"]
+__all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "MAX_LISTED_PROBLEMS",
+           "CHECK_NAMES"]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
 CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar")
@@ -127,14 +127,9 @@ class _Problems:
         return Check(name, self.count == 0, detail, self.listed, self.count)
 
 
-def check_dataset(
-    source: Source,
-    *,
-    root: str | Path | None = None,
-    tolerance_s: float = 1e-4,
-    progress: bool | None = None,
-    cache_root: str | Path | None = None,
-) -> Report:
+def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s: float = 1e-4,
+                  progress: bool | None = None,
+                  cache_root: str | Path | None = None) -> Report:
     """Run every check of the module docstring on ``source`` and return the report.
 
     ``root`` is the dataset root as training is given it (folder or URL): it names the report.
@@ -443,7 +438,8 @@ def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], e
     an unserved request time, or one outside the span streaming plans from nominal times."""
     index = indexes[meta.video_relpath(episode, camera)]
     times_s = synth.request_times_s(meta, episode, camera, seconds)
-    unserved = unserved_requests(index.pts, index.timescale, times_s, tolerance_s)
+    unserved = synth.serving_samples(index.pts, index.timescale, times_s,
+                                     tolerance_s).unserved(len(times_s))
     if len(unserved):
         k = int(unserved[0])
         pts_s = np.sort(index.pts) / index.timescale
@@ -466,15 +462,6 @@ def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], e
                 f"samples {planned.sample_lo}..{planned.sample_hi} that streaming plans from "
                 f"frame_index / fps (timestamps disagree with frame_index / fps)")
     return None
-
-
-def unserved_requests(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
-                      tolerance_s: float) -> np.ndarray:
-    """Positions (int64, ascending) of the request times no frame serves, by the one rule
-    :func:`refstream.synth.serving_samples` (``pts_ticks`` any order)."""
-    times_s = np.asarray(times_s, np.float64)
-    return synth.serving_samples(pts_ticks, timescale, times_s, tolerance_s).unserved(
-        len(times_s))
 
 
 def _ids(episodes: list[int], shown: int = 10) -> str:
