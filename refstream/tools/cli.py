@@ -62,11 +62,24 @@ _COMMON.add_argument("-v", "--verbose", action="store_true",
                      help="on an error, show its traceback too")
 
 
-def _command(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+# The dataset and its order, as stream and plan take them (StreamingDataset's argument names).
+_ORDER = argparse.ArgumentParser(add_help=False)
+_ORDER.add_argument("root", help=ROOT_HELP)
+_ORDER.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
+_ORDER.add_argument("--seed", type=int, help="order seed (default: 42)")
+_ORDER.add_argument("--strategy", dest="sampling_strategy", default="pool",
+                    choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
+_ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N",
+                    help="resident episodes per worker (default: 32 per rank, split over the "
+                    "workers)")
+
+
+def _command(subparsers, name: str, help_text: str,
+             parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
     """A sub-command's parser: its options' defaults in its help, ``-v``, and its own usage
     when an option is wrong."""
     parser = subparsers.add_parser(name, help=help_text, description=help_text,
-                                   formatter_class=_Formatter, parents=[_COMMON])
+                                   formatter_class=_Formatter, parents=[_COMMON, *parents])
     parser.set_defaults(parser=parser)
     return parser
 
@@ -164,21 +177,14 @@ COMMANDS.append(add_demo)
 
 
 def add_stream(subparsers) -> None:
-    p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it")
-    p.add_argument("root", help=ROOT_HELP)
-    p.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
+    p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it",
+                 [_ORDER])
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
     p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
     p.add_argument("--delta-timestamps", metavar="JSON",
                    help='windows in seconds, e.g. \'{"action": [0, 0.0333]}\'')
-    p.add_argument("--seed", type=int, help="order seed (default: 42)")
-    p.add_argument("--strategy", dest="sampling_strategy", default="pool",
-                   choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
-    p.add_argument("--pool-size", dest="episode_pool_size", type=int,
-                   help="resident episodes per worker (default: 32 per rank, split over the "
-                   "workers)")
     p.add_argument("--prefetch-episodes", type=int, default=8,
                    help="episodes fetched ahead per worker")
     p.add_argument("--byte-budget-gb", type=float, default=8.0,
@@ -227,19 +233,12 @@ COMMANDS.append(add_stream)
 
 
 def add_plan(subparsers) -> None:
-    p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order")
-    p.add_argument("root", help=ROOT_HELP)
-    p.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
+    p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order",
+                 [_ORDER])
     p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
     p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
-    p.add_argument("--seed", type=int, help="order seed (default: 42)")
     p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
-    p.add_argument("--strategy", default="pool", choices=planner.STRATEGIES,
-                   help="how a worker mixes its resident episodes")
-    p.add_argument("--pool-size", type=int,
-                   help="resident episodes per worker (default: 32 per rank, split over the "
-                   "workers)")
     p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run_plan)
@@ -260,8 +259,8 @@ def run_plan(args) -> int:
     ids = select_episodes(meta, chosen)
     summary = _plan_summary(
         ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
-        num_workers=args.num_workers, seed=args.seed, epoch=args.epoch, strategy=args.strategy,
-        pool_size=args.pool_size, limit=args.limit)
+        num_workers=args.num_workers, seed=args.seed, epoch=args.epoch,
+        strategy=args.sampling_strategy, pool_size=args.episode_pool_size, limit=args.limit)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -333,20 +332,15 @@ def run_index(args) -> int:
     index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
                                  workers=args.workers)
     records = {record.path: record for record in index.records.values()}
-    summary = {
-        "root": args.root,
-        "origin": index.origin,
-        "files": len(index.records),
-        "indexed": index.indexed,
-        # one record mapped at a time: mapping them all would hold their pages
-        "samples": sum(len(sidecar.read_record(path, record.size, record.identity))
-                       for path, record in records.items()),
-        "video_bytes": sum(record.size for record in index.records.values()),
-        "bytes_read_to_index": index.bytes_read,
-        "seconds": round(index.seconds, 3),
-        "index_folder": str(sidecar.cache_folder()),
-        "index_bytes": sum(Path(path).stat().st_size for path in records),
-    }
+    # One record mapped at a time: mapping them all would hold their pages.
+    samples = sum(len(sidecar.read_record(path, record.size, record.identity))
+                  for path, record in records.items())
+    summary = {"root": args.root, "origin": index.origin, "files": len(index.records),
+               "indexed": index.indexed, "samples": samples,
+               "video_bytes": sum(record.size for record in index.records.values()),
+               "bytes_read_to_index": index.bytes_read, "seconds": round(index.seconds, 3),
+               "index_folder": str(sidecar.cache_folder()),
+               "index_bytes": sum(Path(path).stat().st_size for path in records)}
     if args.output:
         summary["output"] = str(sidecar.export_index(index, args.output))
     _print_summary(summary, args.json)

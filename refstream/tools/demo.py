@@ -156,13 +156,9 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
     data = values.astype(np.float64)
     axes = (0, *keep_axes)
     keep = bool(keep_axes)
-    out = {
-        "min": data.min(axis=axes, keepdims=keep),
-        "max": data.max(axis=axes, keepdims=keep),
-        "mean": data.mean(axis=axes, keepdims=keep),
-        "std": data.std(axis=axes, keepdims=keep),
-        "count": np.array([values.shape[0]], dtype=np.int64),
-    }
+    reductions = {"min": np.min, "max": np.max, "mean": np.mean, "std": np.std}
+    out = {name: reduce(data, axis=axes, keepdims=keep) for name, reduce in reductions.items()}
+    out["count"] = np.array([values.shape[0]], dtype=np.int64)
     for name, q in QUANTILES.items():
         out[name] = np.quantile(data, q, axis=axes, keepdims=keep)
     if keep:  # images: (1, C, 1, 1) -> (C, 1, 1)

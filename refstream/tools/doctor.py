@@ -86,15 +86,10 @@ class Report:
 
     def as_dict(self) -> dict:
         """JSON-ready, the shape of SPEC §11.1."""
-        return {
-            "root": self.root,
-            "ok": self.ok,
-            "checks": [
-                {"name": c.name, "status": c.status, "ok": c.ok, "detail": c.detail,
-                 "problems": list(c.problems), "problem_count": c.problem_count}
-                for c in self.checks
-            ],
-        }
+        checks = [{"name": c.name, "status": c.status, "ok": c.ok, "detail": c.detail,
+                   "problems": list(c.problems), "problem_count": c.problem_count}
+                  for c in self.checks]
+        return {"root": self.root, "ok": self.ok, "checks": checks}
 
     def table(self) -> str:
         """A plain-text table (check, status, detail) with each check's problems under it."""
