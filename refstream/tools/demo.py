@@ -539,14 +539,11 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
         return None
     first_text, last_text = match.groups()
     if not first_text:  # suffix range: the last N bytes
-        if not last_text or int(last_text) == 0 or size == 0:
-            return None
-        return max(0, size - int(last_text)), size - 1
+        count = int(last_text or 0)
+        return (max(0, size - count), size - 1) if count and size else None
     first = int(first_text)
-    last = size - 1 if not last_text else min(int(last_text), size - 1)
-    if first >= size or (last_text and int(last_text) < first):
-        return None
-    return first, last
+    last = min(int(last_text), size - 1) if last_text else size - 1
+    return (first, last) if first <= last else None
 
 
 def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]:

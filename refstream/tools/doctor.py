@@ -163,14 +163,12 @@ def unreadable(label: str, exc: RefstreamError) -> Report:
 
 @contextmanager
 def _progress_bar(total: int, show: bool | None) -> Iterator[Tick]:
-    if show is None:
-        show = sys.stderr.isatty()
-    if not show:
-        yield lambda relpath: None
-        return
+    """A tick per file read, drawn as a bar on stderr if ``show`` (None: if it is a terminal)."""
     from tqdm import tqdm
 
-    with tqdm(total=total, unit="file", desc="refstream doctor", file=sys.stderr) as bar:
+    show = sys.stderr.isatty() if show is None else show
+    with tqdm(total=total, unit="file", desc="refstream doctor", file=sys.stderr,
+              disable=not show) as bar:
         def tick(relpath: str) -> None:
             bar.set_postfix_str(relpath, refresh=False)
             bar.update(1)
@@ -186,11 +184,8 @@ def _check_metadata(meta: DatasetMeta) -> Check:
     if meta.total_episodes == 0:
         problems.add("meta/info.json: total_episodes is 0: nothing to train on")
     cameras = ", ".join(meta.camera_keys) or "none"
-    return problems.check(
-        "metadata",
-        f"v3.0, {meta.total_episodes} episodes, {meta.total_frames} frames, fps {meta.fps}, "
-        f"cameras: {cameras}",
-    )
+    return problems.check("metadata", f"v3.0, {meta.total_episodes} episodes, "
+                          f"{meta.total_frames} frames, fps {meta.fps}, cameras: {cameras}")
 
 
 @dataclass(frozen=True)

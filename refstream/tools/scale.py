@@ -5,23 +5,17 @@ Use: ``report = run_scale(ScaleConfig())`` (``ScaleConfig.quick()`` for a small 
 
 The simulation (:func:`write_simulation`, made once under ``$REFSTREAM_CACHE/bench``) is DROID in
 LeRobot v3: ``bench.droid_lengths`` episodes at 15 fps, three 320×180 cameras, video files rolled
-over at 200 MB as LeRobot's writer rolls them, the episodes table (with ``stats/*`` columns) in
-files of about 100 MB, sparse videos (:func:`write_sparse_mp4`: a real ``moov``, an ``mdat``
-hole) and no data Parquet: **no sample can be fetched or decoded from it**.
+over at 200 MB as LeRobot's writer rolls them, the episodes table in files of about 100 MB, sparse
+videos (:func:`write_sparse_mp4`: a real ``moov``, an ``mdat`` hole) and no data Parquet: **no
+sample can be fetched or decoded from it**.
 
-One loopback server serves the folder as plain HTTP (no listing: one ``HEAD`` per file for its
-identity) and as the Hub's dataset ``hf://datasets/HUB_REPO`` (:func:`hub_route`: the revision
-API, the commit's paginated tree listing with each file's ``lfs.oid``, ``resolve/<commit>/``).
-Measured from the folder, over plain HTTP and from the emulated Hub, each with a scratch sidecar
-cache: ``refstream index ROOT`` in a child (time, peak RSS, requests and bytes served, the cache's
-size after); ``StreamingDataset(ROOT)`` twice in a new process, the index cached (cold, warm),
-counting requests and those asking for file identities. Then, over plain HTTP, the memory of
-DataLoader workers while the server holds their data Parquet requests: a worker makes one only
-once it planned its spans and admitted its first pool, and the request's TCP port names it. A
-worker's share of the index is the private pages of its mappings of the records
-(``/proc/PID/smaps``) plus the heap of the index objects over those records (tracemalloc,
-:func:`_index_heap_bytes`). Measured processes set ``oom_score_adj`` to 1000: running out of
-memory ends them first.
+It is measured from the folder, over plain HTTP (one ``HEAD`` per file for its identity) and from
+the Hub that :func:`hub_route` emulates on the same loopback server: ``refstream index ROOT`` in
+a child, then ``StreamingDataset(ROOT)`` twice in a new process, the index cached (cold, warm).
+Then the memory of DataLoader workers while the server holds their data Parquet requests (a
+worker makes one once it planned its spans; the request's TCP port names it); a worker's share of
+the index is the private pages of its mapped records plus the heap of the index objects over them
+(:func:`_index_heap_bytes`). Measured processes offer themselves to the OOM killer first.
 """
 
 from __future__ import annotations
