@@ -93,12 +93,9 @@ def kind_rng(case: dict) -> dict:
     key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
     indices = [decode_u64(i) for i in case["indices"]]
     below_n = decode_u64(case["below_n"])
-    return {
-        "key": f"0x{key:016x}",
-        "u64": [f"0x{u64(key, i):016x}" for i in indices],
-        "below": [str(below(below_n, key, i)) for i in indices],
-        "permutation": permutation(key, case["permute"]).tolist(),
-    }
+    return {"key": f"0x{key:016x}", "u64": [f"0x{u64(key, i):016x}" for i in indices],
+            "below": [str(below(below_n, key, i)) for i in indices],
+            "permutation": permutation(key, case["permute"]).tolist()}
 
 
 def kind_shard(case: dict) -> dict:
@@ -305,11 +302,9 @@ def kind_hf_url(case: dict) -> dict:
     hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
     api_url = hf.revision_api_url(endpoint)
     commit = case["commit"] if api_url is not None else hf.revision
-    return {
-        "revision_api_url": api_url,
-        "url": HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"]),
-        "identity": None if hf.kind == "buckets" else f"commit:{commit}",
-    }
+    url = HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"])
+    identity = None if hf.kind == "buckets" else f"commit:{commit}"
+    return {"revision_api_url": api_url, "url": url, "identity": identity}
 
 
 def kind_row_group_candidates(case: dict) -> dict:

@@ -62,6 +62,12 @@ _COMMON.add_argument("-v", "--verbose", action="store_true",
                      help="on an error, show its traceback too")
 
 
+# The DataLoader of demo and stream.
+_LOADER = argparse.ArgumentParser(add_help=False)
+_LOADER.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
+_LOADER.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
+_LOADER.add_argument("--no-progress", action="store_true", help="no progress bar")
+
 # The dataset and its order, as stream and plan take them (StreamingDataset's argument names).
 _ORDER = argparse.ArgumentParser(add_help=False)
 _ORDER.add_argument("root", help=ROOT_HELP)
@@ -152,13 +158,10 @@ COMMANDS.append(add_conformance)
 
 def add_demo(subparsers) -> None:
     p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
-                 "stream one epoch and verify every frame")
+                 "stream one epoch and verify every frame", [_LOADER])
     p.add_argument("--keep", "--workdir", dest="workdir", metavar="DIR",
                    help="write the dataset into DIR and keep it (default: a temporary folder, "
                    "removed at the end)")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_demo)
 
 
@@ -178,9 +181,7 @@ COMMANDS.append(add_demo)
 
 def add_stream(subparsers) -> None:
     p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it",
-                 [_ORDER])
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
+                 [_ORDER, _LOADER])
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
     p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
     p.add_argument("--delta-timestamps", metavar="JSON",
@@ -195,7 +196,6 @@ def add_stream(subparsers) -> None:
     p.add_argument("--uint8", dest="return_uint8", action="store_true",
                    help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_stream)
 
 

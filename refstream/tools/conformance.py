@@ -52,11 +52,9 @@ def fixtures_folder(path: str | Path | None = None) -> Path:
     root = Path(path) if path is not None else FIXTURES_DIR
     if not root.is_dir() or not any(root.rglob("*.json")):
         where = f"--fixtures {path}" if path is not None else f"the default {root}"
-        raise UsageError(
-            f"no conformance cases in {where}: the fixtures are the spec/fixtures folder of "
-            "refstream's source (they are not installed with the package); pass "
-            "--fixtures PATH/TO/spec/fixtures"
-        )
+        raise UsageError(f"no conformance cases in {where}: the fixtures are the spec/fixtures "
+                         "folder of refstream's source (they are not installed with the "
+                         "package); pass --fixtures PATH/TO/spec/fixtures")
     return root
 
 

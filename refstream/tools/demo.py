@@ -166,10 +166,6 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
     return out
 
 
-def _json_stats(stats: dict[str, np.ndarray]) -> dict[str, list]:
-    return {name: np.asarray(value).tolist() for name, value in stats.items()}
-
-
 # --- video encoding -------------------------------------------------------------------------
 
 
@@ -495,9 +491,9 @@ def _write_info_and_stats(root: Path, features: dict, fps: int, lengths: list[in
     info = info_document(features, fps, len(lengths), int(sum(lengths)), "refstream_demo")
     (root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
     merged = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-    stats = _episode_stats(merged, sizes)
-    (root / "meta" / "stats.json").write_text(
-        json.dumps({name: _json_stats(s) for name, s in stats.items()}, indent=4))
+    stats = {feature: {name: value.tolist() for name, value in values.items()}
+             for feature, values in _episode_stats(merged, sizes).items()}
+    (root / "meta" / "stats.json").write_text(json.dumps(stats, indent=4))
 
 
 # --- loopback HTTP server -------------------------------------------------------------------
@@ -522,11 +518,6 @@ class LoopbackServer:
     # The request target -> the relpath of a file to serve, or an answer: (body, headers).
     route: Callable[[str], str | tuple[bytes, dict[str, str]]] = file_route
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def _record(self, entry: tuple[str, str, str | None, int], sent: int) -> None:
-        with self._lock:
-            self.body_bytes += sent
-            self.log.append(entry)
 
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -568,8 +559,10 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
                     send_body: bool) -> None:
             # Counted before the answer leaves: a client that has read the answer must find
             # its request in the counters.
-            entry = (self.command, self.path, self.headers.get("Range"), status)
-            server_state._record(entry, len(body) if send_body else 0)
+            with server_state._lock:
+                server_state.body_bytes += len(body) if send_body else 0
+                server_state.log.append((self.command, self.path, self.headers.get("Range"),
+                                         status))
             self.send_response(status)
             headers.setdefault("Content-Length", str(len(body)))
             for name, value in headers.items():

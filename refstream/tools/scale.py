@@ -346,10 +346,6 @@ class WorkerMemory:
     index_private_bytes: int  # their pages no other process maps
     index_heap_bytes: int  # the index objects over those records
 
-    @property
-    def index_share_bytes(self) -> int:
-        return self.index_private_bytes + self.index_heap_bytes
-
 
 def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place:
     env = {**os.environ, CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
@@ -540,7 +536,8 @@ def evaluate_targets(report: ScaleReport) -> list[Target]:
         "construct_local": max(report.folder.cold_s, report.folder.warm_s),
         "construct_http": max(max(p.cold_s, p.warm_s) for p in places[1:]),
         "identity_requests": 1000 * report.hub.cold_identity_requests / s["video_files"],
-        "worker_private": max(w.index_share_bytes for w in report.workers) / MB,
+        "worker_private": max(w.index_private_bytes + w.index_heap_bytes
+                              for w in report.workers) / MB,
         "index_disk": max(p.index_disk_bytes for p in places) / s["samples"],
     }
     return [Target(key, text, f"{measured[key]:,.2f}", measured[key] <= most)
