@@ -18,8 +18,6 @@ from refstream import __version__, planner, shard
 from refstream.errors import RefstreamError, UsageError
 from refstream.rng import resolve_seed
 
-# Sub-commands register here as (add_parser_function) in the order the help lists them.
-COMMANDS: list = []
 ROOT_HELP = "dataset root: a folder, an http(s):// base URL or hf://datasets/OWNER/NAME[@REV]"
 
 
@@ -141,19 +139,15 @@ def run_conformance(args) -> int:
     if not cases:
         raise UsageError(f"no case of kind {args.kind!r} in {root}")
     ask = conformance.via_command(args.impl, root) if args.impl else conformance.in_process
-    passed = failed = 0
+    failed = 0
     for outcome in conformance.run(cases, ask):
-        if outcome.difference is None:
-            passed += 1
-        else:
+        if outcome.difference is not None:
             failed += 1
             name = outcome.case.path.relative_to(root)
             print(f"FAIL {name} [{outcome.case.kind}] {outcome.difference}")
-    print(f"{passed} passed, {failed} failed")
+    print(f"{len(cases) - failed} passed, {failed} failed")
     return 0 if failed == 0 else 1
 
-
-COMMANDS.append(add_conformance)
 
 
 def add_demo(subparsers) -> None:
@@ -171,12 +165,9 @@ def run_demo(args) -> int:
     print("refstream demo: writing the dataset, serving it on 127.0.0.1, streaming one epoch")
     report = demo(args.workdir, num_workers=args.num_workers, batch_size=args.batch_size,
                   progress=not args.no_progress)
-    for line in report.lines():
-        print(line)
+    print("\n".join(report.lines()))
     return 0 if not report.problems else 1
 
-
-COMMANDS.append(add_demo)
 
 
 def add_stream(subparsers) -> None:
@@ -228,8 +219,6 @@ def run_stream(args) -> int:
     _print_summary(summary, args.json)
     return 0
 
-
-COMMANDS.append(add_stream)
 
 
 def add_plan(subparsers) -> None:
@@ -308,8 +297,6 @@ def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size:
             "worker_frames": [w["frames"] for w in workers], "workers": workers}
 
 
-COMMANDS.append(add_plan)
-
 
 def add_index(subparsers) -> None:
     p = _command(subparsers, "index", "build or refresh the video index of a dataset")
@@ -346,8 +333,6 @@ def run_index(args) -> int:
     _print_summary(summary, args.json)
     return 0
 
-
-COMMANDS.append(add_index)
 
 
 def add_inspect(subparsers) -> None:
@@ -400,8 +385,6 @@ def run_inspect(args) -> int:
     return 0
 
 
-COMMANDS.append(add_inspect)
-
 
 def add_doctor(subparsers) -> None:
     p = _command(subparsers, "doctor",
@@ -432,8 +415,6 @@ def run_doctor(args) -> int:
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 
-
-COMMANDS.append(add_doctor)
 
 
 def add_bench(subparsers) -> None:
@@ -517,7 +498,9 @@ def run_bench(args) -> int:
     return 0
 
 
-COMMANDS.append(add_bench)
+# Each sub-command's add_<name>, in the order the help lists them.
+COMMANDS = (add_conformance, add_demo, add_stream, add_plan, add_index, add_inspect, add_doctor,
+            add_bench)
 
 
 if __name__ == "__main__":

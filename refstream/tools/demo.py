@@ -137,10 +137,8 @@ def read_frame_label(frame: np.ndarray) -> tuple[int, int]:
             digit = int(round((level - LABEL_LEVEL0) / LABEL_STEP))
             expected = LABEL_LEVEL0 + LABEL_STEP * digit
             if not 0 <= digit < LABEL_BASE or abs(level - expected) > LABEL_TOLERANCE:
-                raise ValueError(
-                    f"block (row {row}, column {column}) has grey level {level:.1f}, "
-                    f"not within {LABEL_TOLERANCE} of a label digit"
-                )
+                raise ValueError(f"block (row {row}, column {column}) has grey level "
+                                 f"{level:.1f}, not within {LABEL_TOLERANCE} of a label digit")
             value = value * LABEL_BASE + digit
         values.append(value)
     if values[1] % 2 != odd:
@@ -320,19 +318,13 @@ def _file_indices(count: int, per_file: int) -> list[tuple[int, int]]:
 # --- the dataset ----------------------------------------------------------------------------
 
 
-def write_demo_dataset(
-    root: str | os.PathLike,
-    *,
-    episode_lengths: Sequence[int] = (24, 31, 18, 40, 27, 35),
-    cameras: Sequence[str] = ("observation.images.front", "observation.images.wrist"),
-    size: tuple[int, int] | Mapping[str, tuple[int, int]] = (64, 48),
-    fps: int = 30,
-    codec: str = "libsvtav1",
-    gop: int = 2,
-    bframes: int = 0,
-    episodes_per_video_file: int = 4,
-    episodes_per_data_file: int = 3,
-) -> None:
+def write_demo_dataset(root: str | os.PathLike, *,
+                       episode_lengths: Sequence[int] = (24, 31, 18, 40, 27, 35),
+                       cameras: Sequence[str] = ("observation.images.front",
+                                                 "observation.images.wrist"),
+                       size: tuple[int, int] | Mapping[str, tuple[int, int]] = (64, 48),
+                       fps: int = 30, codec: str = "libsvtav1", gop: int = 2, bframes: int = 0,
+                       episodes_per_video_file: int = 4, episodes_per_data_file: int = 3) -> None:
     """Write a LeRobot v3.0 dataset of labelled frames under ``root`` (created if missing).
 
     ``size`` is (width, height) of every camera, or a mapping camera → (width, height) (different
@@ -347,9 +339,6 @@ def write_demo_dataset(
         raise ValueError(f"episode lengths must be 1..{LABEL_MAX}, at most {LABEL_MAX} episodes")
     sizes = {c: tuple(size[c]) if isinstance(size, Mapping) else tuple(size) for c in cameras}
     root = Path(root)
-    # SVT-AV1 prints its configuration banner to stderr unless told otherwise.
-    os.environ.setdefault("SVT_LOG", "1")
-
     features = _features(sizes, fps, codec, gop, bframes)
     first_index = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     data_files = _file_indices(len(lengths), episodes_per_data_file)
@@ -678,8 +667,7 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
     bar = tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
                dynamic_ncols=True)
     samples = batches = requests = fetched = 0
-    peaks: list[int] = []
-    budgets: list[int] = []
+    peaks, budgets = [], []  # per worker
     first_s = None
     start = time.perf_counter()
     try:
@@ -848,6 +836,5 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
         video_files=sum(1 for p in files if p.suffix == ".mp4"),
         dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
         measurement=measurement, requests=len(server.log), setup_requests=setup_requests,
-        video_span_requests=video_spans,
-        body_bytes=server.body_bytes, checked_frames=checked, problems=problems,
-    )
+        video_span_requests=video_spans, body_bytes=server.body_bytes, checked_frames=checked,
+        problems=problems)

@@ -413,11 +413,9 @@ def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[i
     furthest = None  # the window reaching furthest so far, as in the episode tiling
     for window in windows:
         if furthest is not None and window[0] < furthest[1] - tolerance_s:
-            problems.add(
-                f"{relpath}: episodes {furthest[2]} [{furthest[0]}, {furthest[1]}) s and "
-                f"{window[2]} [{window[0]}, {window[1]}) s overlap: one would be served the "
-                "other's frames"
-            )
+            problems.add(f"{relpath}: episodes {furthest[2]} [{furthest[0]}, {furthest[1]}) s "
+                         f"and {window[2]} [{window[0]}, {window[1]}) s overlap: one would be "
+                         "served the other's frames")
         if furthest is None or window[1] > furthest[1]:
             furthest = window
 

@@ -17,6 +17,8 @@ from refstream.mp4 import (
 
 # Boxes whose payload is a sequence of child boxes.
 CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "udta"})
+TRACK_FIELDS = ("track_id", "codec", "width", "height", "timescale", "movie_timescale")
+SAMPLE_FIELDS = ("pts", "dts", "duration", "size", "offset", "keyframe")  # decode order
 
 
 def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
@@ -63,18 +65,14 @@ def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
         "file_size": file_size,
         "boxes": [{"depth": d, "type": b.type, "offset": b.offset, "size": b.size}
                   for d, b in tree],
-        "track": {"track_id": index.track_id, "codec": index.codec, "width": index.width,
-                  "height": index.height, "timescale": index.timescale,
-                  "movie_timescale": index.movie_timescale, "samples": len(index),
-                  "payload_bytes": int(index.size.sum())},
+        "track": {**{name: getattr(index, name) for name in TRACK_FIELDS},
+                  "samples": len(index), "payload_bytes": int(index.size.sum())},
         "edit_list": None if edits is None else {
             "empty_duration": edits.empty_duration, "media_duration": edits.media_duration,
             "media_time": edits.media_time},
         "gops": [{"keyframe": int(k), "samples": int(e - k),
                   "first_pts": int(index.pts[k:e].min()), "keyframe_pts": int(index.pts[k])}
                  for k, e in zip(keys, ends, strict=False)],
-        "samples": {"timescale": index.timescale, "pts": index.pts.tolist(),
-                    "dts": index.dts.tolist(), "duration": index.duration.tolist(),
-                    "size": index.size.tolist(), "offset": index.offset.tolist(),
-                    "keyframe": index.keyframe.tolist()},
+        "samples": {"timescale": index.timescale,
+                    **{name: getattr(index, name).tolist() for name in SAMPLE_FIELDS}},
     }

@@ -294,11 +294,6 @@ def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[s
     return route
 
 
-def _asks_identity(method: str, path: str) -> bool:
-    """Whether a request asks for file identities: a ``HEAD``, or a page of the tree listing."""
-    return method == "HEAD" or path.startswith(f"/api/datasets/{HUB_REPO}/tree/")
-
-
 # --- measuring --------------------------------------------------------------------------------
 
 # Child processes: each first offers itself to the OOM killer (module docstring).
@@ -326,7 +321,7 @@ class Place:
     index_disk_bytes: int  # every file of the sidecar cache after the build
     cold_s: float  # the first StreamingDataset(ROOT) of a new process, the index cached
     cold_requests: int
-    cold_identity_requests: int  # of which asking for file identities (_asks_identity)
+    cold_identity_requests: int  # of which asking for file identities: HEADs, listing pages
     warm_s: float  # the second one in that process
     warm_requests: int
     warm_identity_requests: int
@@ -371,7 +366,8 @@ def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place
             line = child.stdout.readline()
             if not line:
                 raise RefstreamError(f"StreamingDataset({root!r}) failed in a child process")
-            asked = sum(_asks_identity(method, path) for method, path, *_ in server.log[mark:])
+            asked = sum(method == "HEAD" or path.startswith(f"/api/datasets/{HUB_REPO}/tree/")
+                        for method, path, *_ in server.log[mark:])
             figures += [float(line), len(server.log) - mark, asked]
         child.stdin.close()
     return Place(*figures)
