@@ -236,16 +236,13 @@ def kind_meta(case: dict) -> dict:
 
 
 def _case_file(description: dict) -> bytes:
+    """The bytes of one file of a ``meta`` case: JSON, text or a Parquet table."""
     if "json" in description:
         return json.dumps(description["json"]).encode()
     if "text" in description:
         return description["text"].encode()
-    table = pa.table(
-        {
-            name: pa.array(column["values"], CASE_COLUMN_TYPES[column["type"]])
-            for name, column in description["parquet"].items()
-        }
-    )
+    table = pa.table({name: pa.array(column["values"], CASE_COLUMN_TYPES[column["type"]])
+                      for name, column in description["parquet"].items()})
     sink = io.BytesIO()
     pq.write_table(table, sink)
     return sink.getvalue()

@@ -326,12 +326,9 @@ def write_demo_dataset(root: str | os.PathLike, *,
                        fps: int = 30, codec: str = "libsvtav1", gop: int = 2, bframes: int = 0,
                        episodes_per_video_file: int = 4, episodes_per_data_file: int = 3) -> None:
     """Write a LeRobot v3.0 dataset of labelled frames under ``root`` (created if missing).
-
-    ``size`` is (width, height) of every camera, or a mapping camera → (width, height) (different
-    sizes make the cameras' files differ, so a mix-up of cameras cannot go unnoticed). ``codec``
-    is ``"libsvtav1"`` (LeRobot's default, ``gop`` 2) or ``"libx264"`` (use ``gop=30,
-    bframes=2`` for reordered video).
-    """
+    ``size``: (width, height) of every camera, or a mapping camera → (width, height) (cameras
+    of different sizes cannot be mixed up unnoticed); ``codec``: ``"libsvtav1"`` (LeRobot's
+    default, ``gop`` 2) or ``"libx264"`` (``gop=30, bframes=2`` for reordered video)."""
     if codec not in ENCODER_NAMES:
         raise ValueError(f"codec must be one of {sorted(ENCODER_NAMES)}, got {codec!r}")
     lengths = [int(n) for n in episode_lengths]
@@ -573,11 +570,8 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
                 return
             stat = path.stat()
             size = stat.st_size
-            headers = {
-                "ETag": f'"{size:x}-{stat.st_mtime_ns:x}"',
-                "Accept-Ranges": "bytes",
-                "Content-Type": "application/octet-stream",
-            }
+            headers = {"ETag": f'"{size:x}-{stat.st_mtime_ns:x}"', "Accept-Ranges": "bytes",
+                       "Content-Type": "application/octet-stream"}
             range_header = self.headers.get("Range")
             if range_header is None or "," in range_header:
                 # No range, or several: RFC 9110 lets a server ignore Range and send it all.

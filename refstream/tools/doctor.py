@@ -125,13 +125,9 @@ class _Problems:
 def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s: float = 1e-4,
                   progress: bool | None = None,
                   cache_root: str | Path | None = None) -> Report:
-    """Run every check of the module docstring on ``source`` and return the report.
-
-    ``root`` is the dataset root as training is given it (folder or URL): it names the report.
-    ``progress``: a tqdm bar on stderr over the files read; ``None`` shows it when stderr is a
-    terminal. ``cache_root`` overrides ``$REFSTREAM_CACHE`` as
-    :func:`refstream.sidecar.cache_folder` does.
-    """
+    """The report of every check on ``source``, named by ``root`` (as training is given it);
+    ``progress``: a bar on stderr (None: if it is a terminal); ``cache_root`` as
+    :func:`refstream.sidecar.cache_folder` takes it."""
     if not (isinstance(tolerance_s, int | float) and math.isfinite(tolerance_s)
             and tolerance_s >= 0):
         raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")

@@ -250,12 +250,11 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
 
 
 def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[str, str]]]:
-    """A :class:`demo.LoopbackServer` route that also serves ``root`` as the Hub serves the
-    dataset ``HUB_REPO`` at commit ``HUB_COMMIT`` (what :mod:`refstream.hub` asks, SPEC §8.4,
-    §10.1) from the server at ``url``; other paths are the folder's files.
-
-    A file's ``lfs.oid`` is the SHA-256 of its relpath and size: a stable content identity, all
-    the index needs (hashing 370 GB of holes would tell nothing more)."""
+    """A :class:`demo.LoopbackServer` route that also serves ``root`` as the Hub at ``url``
+    serves the dataset ``HUB_REPO`` at commit ``HUB_COMMIT`` (what :mod:`refstream.hub` asks,
+    SPEC §8.4, §10.1); other paths are the folder's files. A file's ``lfs.oid`` is the SHA-256
+    of its relpath and size: a stable content identity is all the index needs (hashing 370 GB of
+    holes would tell no more)."""
     api = f"/api/datasets/{HUB_REPO}/"
     tree = f"{api}tree/{HUB_COMMIT}"
     files = f"/datasets/{HUB_REPO}/resolve/{HUB_COMMIT}/"
