@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from refstream import sidecar
 from refstream.errors import RefstreamError, UsageError
 from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
 from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, cache_folder
@@ -69,6 +70,7 @@ AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
 MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)  # identity
 FACTS = "simulation.json"  # write_simulation's facts, beside meta/
 HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
+TRACED_FRAMES = 64  # deep enough that numpy's allocations still show the sidecar frame calling
 HUB_REPO = "refstream/droid-sim"  # the emulated Hub's dataset: hf://datasets/HUB_REPO
 HUB_COMMIT = hashlib.sha1(b"refstream droid simulation").hexdigest()  # its one commit
 HUB_PAGE_ENTRIES = 1000  # entries per page of the emulated tree listing
@@ -412,16 +414,19 @@ def _mapped_records(pid: int, folder: str) -> dict[str, dict[str, int]]:
 
 
 def _index_heap_bytes(video_index: VideoIndex, paths: set[str]) -> int:
-    """The heap that the index objects of the records at ``paths`` take (tracemalloc): the
-    :class:`MappedIndex` entries a worker mapping those records holds, without their pages."""
+    """The heap that the index objects of the records at ``paths`` take: what tracemalloc finds
+    allocated in :mod:`refstream.sidecar` and still held by the :class:`MappedIndex` entries a
+    worker mapping those records holds (their pages are not heap)."""
     relpaths = [relpath for relpath, record in video_index.records.items()
                 if os.path.realpath(record.path) in paths]
-    tracemalloc.start()
+    tracemalloc.start(TRACED_FRAMES)
     try:
         mapped = MappedIndex(video_index)
         for relpath in relpaths:
             mapped[relpath]
-        return tracemalloc.get_traced_memory()[0]
+        in_sidecar = tracemalloc.Filter(True, sidecar.__file__, all_frames=True)
+        return sum(trace.size for trace in
+                   tracemalloc.take_snapshot().filter_traces([in_sidecar]).traces)
     finally:
         tracemalloc.stop()
 
