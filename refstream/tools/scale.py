@@ -413,7 +413,7 @@ def _mapped_records(pid: int, folder: str) -> dict[str, dict[str, int]]:
     return files
 
 
-def _index_heap_bytes(video_index: VideoIndex, paths: set[str]) -> int:
+def _index_heap_bytes(video_index: VideoIndex, paths: frozenset[str]) -> int:
     """The heap that the index objects of the records at ``paths`` take: what tracemalloc finds
     allocated in :mod:`refstream.sidecar` and still held by the :class:`MappedIndex` entries a
     worker mapping those records holds (their pages are not heap)."""
@@ -431,17 +431,16 @@ def _index_heap_bytes(video_index: VideoIndex, paths: set[str]) -> int:
         tracemalloc.stop()
 
 
-def _worker(pid: int, private_at_start: int, video_index: VideoIndex,
-            folder: Path) -> WorkerMemory:
-    """``pid``'s memory, and that of the index records (in ``folder``) it maps."""
+def _worker(pid: int, private_at_start: int, folder: Path) -> tuple[WorkerMemory, frozenset]:
+    """``pid``'s memory and that of the index records (in ``folder``) it maps, their heap not
+    yet measured (0); and the paths of those records."""
     records = _mapped_records(pid, os.path.realpath(folder) + os.sep)
     index = {name: sum(fields.get(name, 0) for fields in records.values())
              for name in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
     rss, pss, private = _rollup(pid)
     return WorkerMemory(rss, pss, private, private - private_at_start, len(records),
                         index["Rss"], index["Pss"],
-                        index["Private_Clean"] + index["Private_Dirty"],
-                        _index_heap_bytes(video_index, set(records)))
+                        index["Private_Clean"] + index["Private_Dirty"], 0), frozenset(records)
 
 
 def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> list[WorkerMemory]:
@@ -461,8 +460,7 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
                 held.add(client[1])  # the port the request came from
                 pids = start[:, 0].tolist()
                 if not release.is_set() and all(pids) and all(_tcp_ports(p) & held for p in pids):
-                    measured.extend(_worker(pid, at_start, dataset.video_index,
-                                            cache_folder(cache))
+                    measured.extend(_worker(pid, at_start, cache_folder(cache))
                                     for pid, at_start in start.tolist())
                     release.set()
             release.wait()
@@ -478,7 +476,9 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
     finally:
         release.set()
         server.hold = None
-    return measured
+    # Measured once the workers are released, once per set of records mapped.
+    heap = functools.cache(functools.partial(_index_heap_bytes, dataset.video_index))
+    return [replace(memory, index_heap_bytes=heap(paths)) for memory, paths in measured]
 
 
 # --- the report -------------------------------------------------------------------------------
