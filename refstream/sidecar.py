@@ -6,7 +6,6 @@ Use::
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
-    export_index(index, "refstream-index.npz")   # the file a maintainer publishes
 
 :func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say, in
 ``$REFSTREAM_CACHE/index/``: memory stays that of the files in flight, and a failed build
@@ -55,9 +54,9 @@ from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
-__all__ = ["Record", "VideoIndex", "MappedIndex", "ensure_index", "export_index", "read_record",
-           "record_bytes", "record_name", "storage_dtype", "lock_timeout", "cache_folder",
-           "default_cache_root", "video_relpaths"]
+__all__ = ["Record", "VideoIndex", "MappedIndex", "ensure_index", "read_record", "record_bytes",
+           "record_name", "storage_dtype", "lock_timeout", "cache_folder", "default_cache_root",
+           "video_relpaths", "install", "fsync_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
                 missing = _missing({relpath: records[relpath] for relpath in missing})
             bytes_read += _index_files(source, {r: records[r] for r in missing}, workers, indexer)
             counts["built"] = len(missing)
-            _fsync_directory(folder)
+            fsync_directory(folder)
     counts["cached"] = len(records) - counts["published"] - counts["built"]
     origin = next((o for o in ("volatile", "built", "published") if counts[o]), "cache")
     index = VideoIndex({**records, **volatile}, origin, counts["built"] + counts["volatile"],
@@ -315,27 +314,6 @@ def lock_timeout(value: float | str | None = None) -> float:
     return seconds
 
 
-def export_index(index: VideoIndex, output: str | Path) -> Path:
-    """Write ``index``'s records to ``output`` as the publishable ZIP (SPEC §10.4), atomically;
-    ``UsageError`` when a file has no stable identity (nothing could validate it)."""
-    if any(not record.identity for record in index.records.values()):
-        raise UsageError("some video file has no stable identity: a published index of it "
-                         "could never be validated")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(handle: BinaryIO) -> None:
-        with zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
-            for path in sorted({record.path for record in index.records.values()}):
-                info = zipfile.ZipInfo(Path(path).name, date_time=(1980, 1, 1, 0, 0, 0))
-                with open(path, "rb") as data, archive.open(info, "w") as member:
-                    shutil.copyfileobj(data, member)
-
-    _install(output, write)
-    _fsync_directory(output.parent)
-    return output
-
-
 def _missing(records: dict[str, Record]) -> list[str]:
     """The relpaths whose record is absent or not valid."""
     missing = []
@@ -368,7 +346,7 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
                 if name not in members:
                     continue
                 with archive.open(name) as member:
-                    _install(Path(record.path), lambda f, m=member: shutil.copyfileobj(m, f),
+                    install(Path(record.path), lambda f, m=member: shutil.copyfileobj(m, f),
                              lambda p, r=record, rp=relpath: read_record(
                                  p, r.size, r.identity, rp, verify=True))
                 taken += 1
@@ -399,7 +377,7 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
             raise SidecarInvalid(f"{relpath}: indexed {index.file_size} bytes, the source said "
                                  f"{record.size}")
         data = record_bytes(index, record.identity)
-        _install(Path(record.path), lambda f: f.write(data),
+        install(Path(record.path), lambda f: f.write(data),
                  lambda p: read_record(p, record.size, record.identity, relpath, verify=True))
 
     started, shown, before = time.monotonic(), False, source.stats()["bytes"]
@@ -439,7 +417,7 @@ def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
 # --- atomic files and the lock ---------------------------------------------------------------
 
 
-def _install(destination: Path, write: Callable[[BinaryIO], object],
+def install(destination: Path, write: Callable[[BinaryIO], object],
              check: Callable[[Path], object] | None = None) -> None:
     """Write a temp file beside ``destination``, fsync it, ``check`` it, ``os.replace`` it."""
     temp = destination.with_name(f".tmp.{os.getpid()}.{os.urandom(6).hex()}.{destination.name}")
@@ -455,7 +433,7 @@ def _install(destination: Path, write: Callable[[BinaryIO], object],
         temp.unlink(missing_ok=True)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make the renames into ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:

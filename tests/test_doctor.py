@@ -28,7 +28,7 @@ from refstream.errors import UsageError
 from refstream.meta import load_meta
 from refstream.source import open_source
 from refstream.tools import adapters
-from refstream.tools.cli import main
+from refstream.tools.cli import export_index, main
 from refstream.tools.demo import serve_directory, write_demo_dataset
 from refstream.tools.doctor import (
     CHECK_NAMES,
@@ -554,7 +554,7 @@ def test_published_sidecar_is_checked(dataset):
         return dataclasses.replace(index, width=index.width + 2)
 
     index = build_sidecar(dataset, dataset.parent / "elsewhere", late_indexer)
-    sidecar.export_index(index, dataset / sidecar.PUBLISHED_RELPATH)
+    export_index(index, dataset / sidecar.PUBLISHED_RELPATH)
     check = doctor(dataset)["sidecar"]
     assert not check.ok and check.problem_count == 4 and "4 of 4 video files" in check.detail
     assert all(p.startswith(sidecar.PUBLISHED_RELPATH) and "width" in p for p in check.problems)

@@ -62,8 +62,9 @@ from hypothesis import strategies as st
 from refstream import sidecar
 from refstream.errors import RefstreamError, SidecarInvalid
 from refstream.mp4 import parse_index
-from refstream.sidecar import ensure_index, export_index, read_record
+from refstream.sidecar import ensure_index, read_record
 from refstream.source import LocalSource
+from refstream.tools.cli import export_index
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 MP4_SEEDS = ("lerobot_av1", "lerobot_h264", "av1_g2", "h264_b", "h264_b_faststart",

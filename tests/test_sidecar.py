@@ -39,9 +39,10 @@ from refstream.errors import (
 )
 from refstream.meta import load_meta
 from refstream.mp4 import SampleIndex
-from refstream.sidecar import MappedIndex, ensure_index, export_index, read_record, record_name
+from refstream.sidecar import MappedIndex, ensure_index, read_record, record_name
 from refstream.source import LocalSource, open_source
 from refstream.tools import adapters
+from refstream.tools.cli import export_index
 
 TESTS = Path(__file__).resolve().parent
 HELPER = TESTS / "sidecar_helpers.py"

@@ -13,10 +13,15 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from refstream import __version__, planner, shard
 from refstream.errors import RefstreamError, UsageError
 from refstream.rng import resolve_seed
+
+if TYPE_CHECKING:
+    from refstream.sidecar import VideoIndex
 
 ROOT_HELP = "dataset root: a folder, an http(s):// base URL or hf://datasets/OWNER/NAME[@REV]"
 
@@ -309,8 +314,6 @@ def add_index(subparsers) -> None:
 
 
 def run_index(args) -> int:
-    from pathlib import Path
-
     from refstream import sidecar
     from refstream.meta import load_meta
     from refstream.source import open_source
@@ -329,10 +332,36 @@ def run_index(args) -> int:
                "index_folder": str(sidecar.cache_folder()),
                "index_bytes": sum(Path(path).stat().st_size for path in records)}
     if args.output:
-        summary["output"] = str(sidecar.export_index(index, args.output))
+        summary["output"] = str(export_index(index, args.output))
     _print_summary(summary, args.json)
     return 0
 
+
+
+def export_index(index: VideoIndex, output: str | Path) -> Path:
+    """Write ``index``'s records to ``output`` as the publishable ZIP (SPEC §10.4), atomically;
+    ``UsageError`` when a file has no stable identity (nothing could validate it)."""
+    import shutil
+    import zipfile
+
+    from refstream import sidecar
+
+    if any(not record.identity for record in index.records.values()):
+        raise UsageError("some video file has no stable identity: a published index of it "
+                         "could never be validated")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(handle: BinaryIO) -> None:
+        with zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
+            for path in sorted({record.path for record in index.records.values()}):
+                info = zipfile.ZipInfo(Path(path).name, date_time=(1980, 1, 1, 0, 0, 0))
+                with open(path, "rb") as data, archive.open(info, "w") as member:
+                    shutil.copyfileobj(data, member)
+
+    sidecar.install(output, write)
+    sidecar.fsync_directory(output.parent)
+    return output
 
 
 def add_inspect(subparsers) -> None:
