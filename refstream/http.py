@@ -43,7 +43,7 @@ from refstream.errors import (
     UsageError,
 )
 from refstream.meta import check_relpath
-from refstream.source import BaseSource, byte_range, check_span, check_tail
+from refstream.source import Source, byte_range, check_span, check_tail
 
 __all__ = [
     "HTTPSource",
@@ -224,7 +224,7 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return parts.scheme, (parts.hostname or ""), parts.port
 
 
-class HTTPSource(BaseSource):
+class HTTPSource(Source):
     """Files under an HTTP(S) base URL (module docstring); ``label`` is what ``repr`` shows."""
 
     def __init__(

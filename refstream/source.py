@@ -27,10 +27,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from refstream import meta
 from refstream.errors import FetchError, MalformedDataset, PayloadChanged, ShortRead, UsageError
 from refstream.meta import check_relpath
 
@@ -39,19 +37,6 @@ __all__ = ["Source", "LocalSource", "RangeFile", "open_source"]
 IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each over HTTP
 # A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-class Source(meta.Source, Protocol):
-    """What every byte source offers (the calls of the module docstring)."""
-
-    def read_range(self, relpath: str, offset: int, length: int) -> bytes: ...
-    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]: ...
-    def size(self, relpath: str) -> int: ...
-    def identity(self, relpath: str) -> str: ...
-    def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]: ...
-    def expect_identity(self, relpath: str, identity: str) -> None: ...
-    def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
 
 
 def open_source(root: str | Path, **http_options) -> Source:
@@ -75,8 +60,9 @@ def open_source(root: str | Path, **http_options) -> Source:
     return LocalSource(text)
 
 
-class BaseSource:
-    """What every source shares: the counters and the identity check of every read (SPEC §8.1)."""
+class Source:
+    """The base of every source: the counters and the identity check of every read (SPEC §8.1).
+    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``identity`` and ``close``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -135,7 +121,7 @@ def byte_range(offset: int, length: int) -> str:
     return f"bytes {offset}-{offset + length - 1}"
 
 
-class LocalSource(BaseSource):
+class LocalSource(Source):
     """A dataset in a local folder."""
 
     def __init__(self, root: str | Path) -> None:
