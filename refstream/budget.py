@@ -77,12 +77,10 @@ class ByteBudget:
 
     @property
     def reserved_bytes(self) -> int:
-        """The sum of the sizes of all reservations."""
         with self._cond:
             return self._reserved_bytes
 
     def snapshot(self) -> BudgetSnapshot:
-        """All counters at one instant."""
         with self._cond:
             return BudgetSnapshot(
                 budget_bytes=self.budget_bytes,
@@ -94,7 +92,6 @@ class ByteBudget:
             )
 
     def is_reserved(self, episode: int) -> bool:
-        """True while ``episode`` holds a reservation."""
         with self._cond:
             return episode in self._table
 
@@ -106,7 +103,6 @@ class ByteBudget:
     # --- reserving ------------------------------------------------------------------------
 
     def try_reserve(self, episode: int, size_bytes: int) -> bool:
-        """Reserve ``episode`` without waiting; False when it does not fit."""
         with self._cond:
             return self._reserve_locked(episode, size_bytes)
 
@@ -148,13 +144,11 @@ class ByteBudget:
             self._cond.notify_all()
 
     def take_evicted(self) -> list[int]:
-        """Episodes evicted since the last call, in eviction order; their payloads must go."""
         with self._cond:
             evicted, self._evicted = self._evicted, []
             return evicted
 
     def close(self) -> None:
-        """Refuse every further reservation and wake all waiters with :class:`BudgetClosed`."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -162,7 +156,6 @@ class ByteBudget:
     # --- fetch bookkeeping ----------------------------------------------------------------
 
     def claim_fetch(self, episode: int) -> bool:
-        """True exactly once per reservation: the caller that gets it fetches the payloads."""
         with self._cond:
             entry = self._table.get(episode)
             if entry is None or entry.claimed:
