@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -192,18 +191,12 @@ class ByteBudget:
     # --- internals (caller holds the lock) --------------------------------------------------
 
     def _wait_reserve_locked(self, episode: int, size_bytes: int, timeout_s: float | None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waited = False
-        while not self._reserve_locked(episode, size_bytes):
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            if not waited:
-                log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
-                          episode, size_bytes, self._reserved_bytes, self.budget_bytes)
-                waited = True
-            self._cond.wait(remaining)
-        return True
+        if self._reserve_locked(episode, size_bytes):
+            return True
+        if timeout_s is None or timeout_s > 0:
+            log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
+                      episode, size_bytes, self._reserved_bytes, self.budget_bytes)
+        return self._cond.wait_for(lambda: self._reserve_locked(episode, size_bytes), timeout_s)
 
     def _reserve_locked(self, episode: int, size_bytes: int) -> bool:
         if self._closed:
