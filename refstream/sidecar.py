@@ -347,8 +347,8 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
                     continue
                 with archive.open(name) as member:
                     install(Path(record.path), lambda f, m=member: shutil.copyfileobj(m, f),
-                             lambda p, r=record, rp=relpath: read_record(
-                                 p, r.size, r.identity, rp, verify=True))
+                            lambda p, r=record, rp=relpath: read_record(
+                                p, r.size, r.identity, rp, verify=True))
                 taken += 1
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
@@ -366,19 +366,11 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
     def index_one(relpath: str, record: Record) -> None:
         if record.identity:  # a read of another version of the file: PayloadChanged
             source.expect_identity(relpath, record.identity)
-        try:
-            index = indexer(lambda offset, length: source.read_range(relpath, offset, length),
-                            record.size, relpath)
-        except RefstreamError:
-            raise
-        except OSError as exc:
-            raise SidecarError(f"{relpath}: cannot read while indexing ({exc})") from exc
-        if index.file_size != record.size:
-            raise SidecarInvalid(f"{relpath}: indexed {index.file_size} bytes, the source said "
-                                 f"{record.size}")
-        data = record_bytes(index, record.identity)
+        index = indexer(lambda offset, length: source.read_range(relpath, offset, length),
+                        record.size, relpath)
+        data = record_bytes(index, record.identity)  # read_record below checks its size
         install(Path(record.path), lambda f: f.write(data),
-                 lambda p: read_record(p, record.size, record.identity, relpath, verify=True))
+                lambda p: read_record(p, record.size, record.identity, relpath, verify=True))
 
     started, shown, before = time.monotonic(), False, source.stats()["bytes"]
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
