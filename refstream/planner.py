@@ -30,14 +30,7 @@ from itertools import islice
 import numpy as np
 
 from refstream.errors import EpisodeTooLarge, UsageError
-from refstream.rng import (
-    derive_key,
-    extend_key,
-    permutation,
-    permutation_list,
-    resolve_seed,
-    u64_array,
-)
+from refstream.rng import derive_key, extend_key, permutation, resolve_seed, u64_array
 from refstream.shard import check_episodes
 
 __all__ = ["STRATEGIES", "Planner"]
@@ -205,7 +198,7 @@ class Planner:
             raise AssertionError("draw beyond the pool's frames")  # R is the sum of _left
         if self._round_pos == len(self._round):
             key = extend_key(self._round_key, self._rounds_started)
-            self._round = permutation_list(key, list(self._left))
+            self._round = permutation(key, list(self._left)).tolist()
             self._round_pos = 0
             self._rounds_started += 1
         self._round_pos += 1

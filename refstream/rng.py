@@ -10,8 +10,8 @@ language reproduces it; numpy's generators are never used. Use::
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
 The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
-like the definition, and equal the plain-integer forms (``u64``, ``permutation_list``). A seed,
-label, ``n`` or id outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
+like the definition, and equal the plain-integer form ``u64``. A seed, label, ``n`` or id outside
+SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from refstream.errors import UsageError
 
 __all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array",
-           "below", "permutation", "permutation_list"]
+           "below", "permutation"]
 
 MASK64 = (1 << 64) - 1
 # The seed when the user gives none (LeRobot's DEFAULT_STREAMING_SEED).
@@ -110,10 +110,3 @@ def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")
     # lexsort sorts by its last key first: primary u64(key, id), ties (never seen) by id.
     return ids[np.lexsort((ids, u64_array(key, ids)))]
-
-
-def permutation_list(key: int, ids: Sequence[int]) -> list[int]:
-    """The same order as :func:`permutation`, in plain integers: faster for a few ids."""
-    if any(i < 0 for i in ids):
-        raise UsageError(f"permutation ids must be non-negative, got {min(ids)}")
-    return sorted(ids, key=lambda i: (u64(key, i), i))

@@ -75,7 +75,6 @@ def test_below_matches_oracle_and_range(key, n, i):
 @given(U64, st.lists(st.integers(0, 10**9), unique=True, max_size=50))
 def test_permutations_match_oracle(key, ids):
     assert rng.permutation(key, ids).tolist() == keyed_order(key, ids)
-    assert rng.permutation_list(key, ids) == keyed_order(key, ids)
 
 
 def test_permutation_of_frames_is_a_permutation():
@@ -109,8 +108,6 @@ def test_bad_labels_are_refused(label):
 def test_negative_ids_are_refused():
     with pytest.raises(UsageError):
         rng.permutation(1, [3, -1])
-    with pytest.raises(UsageError):
-        rng.permutation_list(1, [3, -1])
 
 
 def _cases():
