@@ -6,21 +6,12 @@ Use::
     index = parse_index_bytes(data, path)                # or the whole file in memory
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
-:func:`parse_index` is :func:`locate_moov` (range reads over the top-level boxes that skip media
-payload, SPEC §6.2) then :func:`parse_moov`, which reads the video track's tables into a
-:class:`SampleIndex` (SPEC §6.3–6.5). :func:`walk_boxes`, :func:`box_header` and
-:func:`edit_list` also serve reports that show a file's boxes.
-
-Boxes read: ``ftyp`` (kept whole); ``moov/mvhd`` (movie timescale); in the first ``trak`` with a
-``vide`` handler, ``tkhd`` (track id), ``mdhd`` (timescale), ``stsd`` (codec, size; kept
-verbatim), ``stts``/``ctts`` (timestamps), ``stss`` (keyframes), ``stsz``/``stz2``, ``stsc`` and
-``stco``/``co64`` (sizes, offsets) and ``edts/elst`` (the edit). ``moof`` or ``mvex``: refused.
-
-Invariants: ``dts`` and ``pts`` equal FFmpeg's mov demuxer's packet timestamps; a file on which
-FFmpeg would drop, discard or re-time samples is refused rather than indexed differently. An
-entry count is checked against its box before anything is allocated. Errors name the file, box
-and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
-:class:`~refstream.errors.UnsupportedMp4` (valid, but not accepted),
+:func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
+:func:`walk_boxes`, :func:`box_header` and :func:`edit_list` also serve reports that show a
+file's boxes. ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than
+indexed differently. An entry count is checked against its box before anything is allocated.
+Errors name the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks
+the format), :class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
 :class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
 """
 
