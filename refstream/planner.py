@@ -11,13 +11,11 @@ does no I/O and never waits: the stream fetches what it admits and follows its o
         planner.frontier(k)                          # the next k to admit: prefetch candidates
     planner.emitted()                           # {episode: frames emitted so far}
 
-``delivered`` (one count per episode) plans the rest of an epoch whose first ``delivered[i]``
-frames of each episode's keyed order were emitted already (SPEC §3.9).
+``delivered`` (one count per episode) plans the rest of a partly emitted epoch (SPEC §3.9).
 
-Invariants: every frame of the share not delivered before is emitted exactly once; the order is
-a pure function of the arguments and the keys of SPEC §1.2; ``len(resident) ≤ pool_size`` and
-the residents' byte sizes sum to at most ``byte_budget`` at every step. An episode larger than
-the whole budget is :class:`~refstream.errors.EpisodeTooLarge` at construction.
+Invariants (SPEC §3.2): every frame of the share not delivered before is emitted exactly once;
+the order is a pure function of the arguments; the pool size and the byte budget hold at every
+step, and an episode larger than the whole budget is refused at construction.
 """
 
 from __future__ import annotations
@@ -213,7 +211,6 @@ class Planner:
         return self._draw_words, n - self._draw_words_start
 
     def _take(self, episode: int) -> None:
-        """Count one anchor of ``episode``; after its last one, evict it and admit."""
         self._emitted += 1
         self._pool_frames_left -= 1
         self._left[episode] -= 1

@@ -13,10 +13,8 @@ The order of a rank's stream is a pure function of its setup, so a checkpoint is
     start = course.positions(rank, state.samples)
     planner = course.planner(rank, w, start.epochs[w], byte_sizes)   # then skip(start.offsets[w])
 
-DataLoader worker ``p`` plays logical worker ``w = (p + start.rotation) mod N``: it plans epoch
-``start.epochs[w]``, skips ``start.offsets[w]`` anchors and stops after ``start.stops[w]``; with
-``repeat`` it goes on with the following epochs from offset 0. :func:`delivered_by` replays every
-rank and worker of the earlier topologies (the ``history``) to find what they delivered; a
+DataLoader worker ``p`` plays logical worker ``(p + start.rotation) mod N`` (SPEC §3.6, Worker
+positions). :func:`delivered_by` replays the earlier topologies (the ``history``); a
 :class:`Course` plans the rest of those epochs, then ordinary ones, over the current topology.
 
 Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology yields
