@@ -71,11 +71,10 @@ VIDEO_COLUMNS = {
     "to_timestamp": "video_to_s",
 }
 
-# Placeholders each template may (and must) use.
-DATA_FIELDS = frozenset({"chunk_index", "file_index"})
-VIDEO_FIELDS = frozenset({"video_key", "chunk_index", "file_index"})
-# The one format spec a placeholder may carry (SPEC §4.2): zero-padding an index to a width.
+# Placeholders each template may (and must) use: data_path the indices, video_path also the key.
 INDEX_FIELDS = frozenset({"chunk_index", "file_index"})
+VIDEO_FIELDS = INDEX_FIELDS | {"video_key"}
+# The one format spec a placeholder may carry (SPEC §4.2): zero-padding an index to a width.
 _ZERO_PADDED = re.compile(r"0[1-9][0-9]*d")
 
 
@@ -229,7 +228,7 @@ def _read_info(source: Source) -> dict:
                 "refstream streams only cameras stored as videos"
             )
     has_cameras = any(feature["dtype"] == "video" for feature in features.values())
-    _check_template(info.get("data_path"), "data_path", DATA_FIELDS)
+    _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
     if has_cameras or info.get("video_path") is not None:
         _check_template(info.get("video_path"), "video_path", VIDEO_FIELDS)
     info.setdefault("video_path", None)

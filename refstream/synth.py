@@ -10,7 +10,6 @@ Calls, in the order a loader makes them::
 §7.1): span selection, the decoder's choice of frame (§10.8) and the doctor all call it.
 :func:`episode_spans` applies :func:`select_span` to each camera at the episode's request times
 (:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2).
-:func:`synthesized_size` equals ``len(synthesize(...))``, computed from the index alone.
 """
 
 from __future__ import annotations
