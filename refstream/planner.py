@@ -20,7 +20,6 @@ step, and an episode larger than the whole budget is refused at construction.
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
@@ -136,52 +135,8 @@ class Planner:
         """The state after ``n`` more anchors, events included, without their frames (§3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
-        skip_run = self._skip_draws if self._strategy == "pool" else self._skip_rounds
-        while n:
-            n -= skip_run(n)
-
-    def _skip_draws(self, n: int) -> int:
-        """Emit up to ``n`` pool draws without frames, up to the next eviction; how many. Slot
-        ``t`` of a list of the residents' frames left, grouped in admission order, is the
-        resident :meth:`_choose`'s walk finds; deleting it keeps the groups in order."""
-        episodes, lefts = list(self._left), list(self._left.values())
-        wide = len(episodes) > 256  # else a slot is one byte: deleting one moves fewer bytes
-        places = np.repeat(np.arange(len(lefts), dtype=np.uint32 if wide else np.uint8), lefts)
-        slots = array("I" if wide else "B", places.tobytes())
-        frames_left, done, drained = self._pool_frames_left, 0, -1
-        while done < n and drained < 0:
-            words, draw = self._draw_words_at(self._emitted + done)
-            for i in range(draw, min(len(words), draw + n - done)):
-                t = (words[i] * frames_left) >> 64  # below(R, draw key, n)
-                place = slots[t]
-                del slots[t]
-                lefts[place] -= 1
-                frames_left -= 1
-                done += 1
-                if not lefts[place]:
-                    drained = place
-                    break
-        self._left.update(zip(episodes, lefts, strict=True))
-        self._emitted += done
-        self._pool_frames_left = frames_left
-        if drained >= 0:
-            self._evict(episodes[drained])
-        return done
-
-    def _skip_rounds(self, n: int) -> int:
-        """At a round boundary, skip the whole rounds before the next eviction at once (each
-        visits every resident once, so only the frames left change); else emit one anchor."""
-        residents = len(self._left)
-        rounds = min(min(self._left.values()) - 1, n // residents)
-        if self._round_pos < len(self._round) or rounds < 1:
+        for _ in range(n):
             self._take(self._choose())
-            return 1
-        for episode in self._left:
-            self._left[episode] -= rounds
-        self._rounds_started += rounds
-        self._emitted += rounds * residents
-        self._pool_frames_left -= rounds * residents
-        return rounds * residents
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
