@@ -27,14 +27,12 @@ from itertools import islice
 import numpy as np
 
 from refstream.errors import EpisodeTooLarge, UsageError
-from refstream.rng import derive_key, extend_key, permutation, resolve_seed, u64_array
+from refstream.rng import below, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
 __all__ = ["STRATEGIES", "Planner"]
 
 STRATEGIES = ("pool", "round_robin")
-# Draw words are computed this many at a time with numpy (one vectorised call per block).
-_DRAW_BLOCK = 4096
 
 
 class Planner:
@@ -79,8 +77,6 @@ class Planner:
         self._round: list[int] = []
         self._round_pos = 0
         self._rounds_started = 0
-        self._draw_words: list[int] = []
-        self._draw_words_start = 0
         self._admitted_events: list[int] = []
         self._evicted_events: list[int] = []
         self._admit()
@@ -141,9 +137,7 @@ class Planner:
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
-            words, draw = self._draw_words_at(self._emitted)
-            # below(R, draw key, n) = (u64 · R) >> 64, then the walk over residents.
-            t = (words[draw] * self._pool_frames_left) >> 64
+            t = below(self._pool_frames_left, self._draw_key, self._emitted)
             for episode, left in self._left.items():
                 if t < left:
                     return episode
@@ -156,14 +150,6 @@ class Planner:
             self._rounds_started += 1
         self._round_pos += 1
         return self._round[self._round_pos - 1]
-
-    def _draw_words_at(self, n: int) -> tuple[list[int], int]:
-        """The block of draw words holding word ``n``, and its place in it."""
-        if not 0 <= n - self._draw_words_start < len(self._draw_words):
-            indices = np.arange(n, n + _DRAW_BLOCK, dtype=np.uint64)
-            self._draw_words = u64_array(self._draw_key, indices).tolist()
-            self._draw_words_start = n
-        return self._draw_words, n - self._draw_words_start
 
     def _take(self, episode: int) -> None:
         self._emitted += 1
