@@ -7,11 +7,11 @@ Use::
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
-:func:`walk_boxes`, :func:`box_header` and :func:`edit_list` also serve reports that show a
-file's boxes. ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than
-indexed differently. An entry count is checked against its box before anything is allocated.
-Errors name the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks
-the format), :class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
+:func:`walk_boxes` and :func:`box_header` also serve reports that show a file's boxes.
+``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
+differently. An entry count is checked against its box before anything is allocated. Errors name
+the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
+:class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
 :class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
 __all__ = ["Box", "SampleIndex", "EditList", "parse_index", "parse_index_bytes", "locate_moov",
-           "parse_moov", "edit_list", "walk_boxes", "box_header"]
+           "parse_moov", "walk_boxes", "box_header"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -492,11 +492,5 @@ def parse_index_bytes(data: bytes, path: str) -> SampleIndex:
     view = memoryview(data)
     return parse_index(lambda offset, length: bytes(view[offset : offset + length]),
                        len(data), path)
-
-
-def edit_list(moov_bytes: bytes, moov: Box, path: str) -> EditList | None:
-    """The video track's accepted edit list, or None (for reports such as ``inspect``)."""
-    m = _Moov(moov_bytes, moov, path)
-    return _edit_list(m, _video_track(m))
 
 

@@ -8,8 +8,10 @@ import numpy as np
 from refstream.mp4 import (
     Box,
     ReadRange,
+    _edit_list,
+    _Moov,
+    _video_track,
     box_header,
-    edit_list,
     locate_moov,
     parse_moov,
     walk_boxes,
@@ -57,7 +59,8 @@ def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     tree = box_tree(read_range, file_size, path, moov, moov_bytes)
     index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
-    edits = edit_list(moov_bytes, moov, path)
+    track = _Moov(moov_bytes, moov, path)
+    edits = _edit_list(track, _video_track(track))
     keys = np.flatnonzero(index.keyframe)
     ends = np.append(keys[1:], len(index))
     return {
