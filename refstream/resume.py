@@ -155,9 +155,8 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
-    """``(counts, next)``: how many of an in-order DataLoader's first ``batches`` batches each
-    worker produced, and whose turn is next, when worker ``w`` has ``limits[w]`` batches
-    (``None``: never ends) — SPEC §3.6, Replay."""
+    """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (``None``: never
+    ends), SPEC §3.6, Replay."""
     if batches < 0:
         raise UsageError(f"batches must be non-negative, got {batches}")
     workers = len(limits)
@@ -211,10 +210,8 @@ def resume_positions(
     rank_batches: int | None = None,
     remainders: Sequence[tuple[Sequence[int], int | None]] = (),
 ) -> ResumePositions:
-    """Where every logical worker starts after the rank consumed ``samples`` since ``epoch``
-    began (SPEC §3.6, Worker positions; ``rank_batches``: §3.7). ``remainders[i]``, when epoch
-    ``epoch + i`` is the rest of one in progress, are each worker's anchors and the rank's
-    batches (None: all) in it (SPEC §3.9, Positions); ordinary epochs follow."""
+    """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
+    anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be positive, got {batch_size}")
     if epoch < 0 or samples < 0:
@@ -279,9 +276,8 @@ class Order:
 
 @dataclass(frozen=True)
 class Delivered:
-    """The epochs in progress (SPEC §3.9): ``counts[i][k]`` frames of episode ``order.episodes[k]``
-    were delivered in epoch ``first + i`` (the first of its keyed order); later epochs have none
-    delivered, earlier ones are over."""
+    """SPEC §3.9, Delivered frames: ``counts[i][k]`` = ``d`` of episode ``order.episodes[k]`` in
+    epoch ``first + i``."""
 
     first: int
     counts: tuple[np.ndarray, ...] = ()
