@@ -74,8 +74,7 @@ class Planner:
         self._frames_key = derive_key(seed, epoch, "frames")
         self._draw_key = derive_key(seed, epoch, "draw", rank, worker)
         self._round_key = derive_key(seed, epoch, "round", rank, worker)
-        self._round: list[int] = []
-        self._round_pos = 0
+        self._round: deque[int] = deque()  # the rest of the current round, round_robin
         self._rounds_started = 0
         self._admitted_events: list[int] = []
         self._evicted_events: list[int] = []
@@ -143,13 +142,11 @@ class Planner:
                     return episode
                 t -= left
             raise AssertionError("draw beyond the pool's frames")  # R is the sum of _left
-        if self._round_pos == len(self._round):
+        if not self._round:
             key = extend_key(self._round_key, self._rounds_started)
-            self._round = permutation(key, list(self._left)).tolist()
-            self._round_pos = 0
+            self._round = deque(permutation(key, list(self._left)).tolist())
             self._rounds_started += 1
-        self._round_pos += 1
-        return self._round[self._round_pos - 1]
+        return self._round.popleft()
 
     def _take(self, episode: int) -> None:
         self._emitted += 1
