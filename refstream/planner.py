@@ -67,7 +67,6 @@ class Planner:
         self._pending: deque[int] = deque(admission.tolist())
         self._left: dict[int, int] = {}  # resident -> frames not yet emitted, admission order
         self._orders: dict[int, list[int]] = {}  # resident -> its frame permutation (lazy)
-        self._pool_frames_left = 0  # R: sum of self._left
         self._resident_bytes = 0
         self._emitted = 0  # anchors emitted so far = the next draw number
         self._total = sum(self._rest.values())
@@ -114,7 +113,7 @@ class Planner:
         return self
 
     def __next__(self) -> tuple[int, int]:
-        if self._pool_frames_left == 0:
+        if not self._left:
             raise StopIteration
         episode = self._choose()
         order = self._orders.get(episode)
@@ -136,12 +135,12 @@ class Planner:
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
-            t = below(self._pool_frames_left, self._draw_key, self._emitted)
+            t = below(sum(self._left.values()), self._draw_key, self._emitted)  # R
             for episode, left in self._left.items():
                 if t < left:
                     return episode
                 t -= left
-            raise AssertionError("draw beyond the pool's frames")  # R is the sum of _left
+            raise AssertionError("draw beyond the pool's frames")
         if not self._round:
             key = extend_key(self._round_key, self._rounds_started)
             self._round = deque(permutation(key, list(self._left)).tolist())
@@ -150,7 +149,6 @@ class Planner:
 
     def _take(self, episode: int) -> None:
         self._emitted += 1
-        self._pool_frames_left -= 1
         self._left[episode] -= 1
         if not self._left[episode]:
             self._evict(episode)
@@ -179,7 +177,6 @@ class Planner:
                 del pending[place]
                 self._resident_bytes += sizes[episode]
             self._left[episode] = self._rest[episode]
-            self._pool_frames_left += self._rest[episode]
             self._admitted_events.append(episode)
 
 
