@@ -67,7 +67,6 @@ class Planner:
         self._pending: deque[int] = deque(admission.tolist())
         self._left: dict[int, int] = {}  # resident -> frames not yet emitted, admission order
         self._orders: dict[int, list[int]] = {}  # resident -> its frame permutation (lazy)
-        self._resident_bytes = 0
         self._emitted = 0  # anchors emitted so far = the next draw number
         self._total = sum(self._rest.values())
         self._frames_key = derive_key(seed, epoch, "frames")
@@ -157,8 +156,6 @@ class Planner:
         """``episode`` has emitted its last anchor: it leaves the pool, and others come in."""
         del self._left[episode]
         self._orders.pop(episode, None)
-        if self._sizes is not None:
-            self._resident_bytes -= self._sizes[episode]
         self._evicted_events.append(episode)
         self._admit()
 
@@ -169,13 +166,12 @@ class Planner:
             if sizes is None:
                 episode = pending.popleft()
             else:
-                room = self._budget - self._resident_bytes
+                room = self._budget - sum(sizes[e] for e in self._left)
                 place = next((i for i, e in enumerate(pending) if sizes[e] <= room), None)
                 if place is None:
                     return  # wait for an eviction to free bytes
                 episode = pending[place]
                 del pending[place]
-                self._resident_bytes += sizes[episode]
             self._left[episode] = self._rest[episode]
             self._admitted_events.append(episode)
 
