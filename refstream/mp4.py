@@ -361,22 +361,18 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
     (count,) = m.unpack(elst, 4, ">I", "entry_count")
     if count == 0:
         return None
-    fmt = ">Qq" if version == 1 else ">Ii"
-    step = 20 if version == 1 else 12
     if count > 2:
         raise m.bad(elst, f"{count} entries (at most an empty and a media edit)", UnsupportedMp4)
-    entries = []
-    for i in range(count):
-        duration, media_time = m.unpack(elst, 8 + i * step, fmt, f"entry {i}")
-        rate = m.unpack(elst, 8 + i * step + step - 4, ">hh", f"entry {i} media_rate")
-        entries.append((duration, media_time, rate))
-    shape_ok = all(rate == (1, 0) for *_, rate in entries) and (
+    fmt = ">Qqhh" if version == 1 else ">Iihh"  # duration, media_time, media_rate (int, fraction)
+    step = struct.calcsize(fmt)
+    entries = [m.unpack(elst, 8 + i * step, fmt, f"entry {i}") for i in range(count)]
+    shape_ok = all(entry[2:] == (1, 0) for entry in entries) and (
         (count == 1 and entries[0][1] >= 0)
         or (count == 2 and entries[0][1] == -1 and entries[1][1] >= 0)
     )
     if not shape_ok:
         raise m.bad(elst, f"edit list {[e[:2] for e in entries]} with rates"
-                    f" {[e[2] for e in entries]}; only one rate-1 media edit, optionally after"
+                    f" {[e[2:] for e in entries]}; only one rate-1 media edit, optionally after"
                     " one empty edit, is supported", UnsupportedMp4)
     empty = entries[0][0] if count == 2 else 0
     return EditList(empty, entries[-1][0], entries[-1][1])
