@@ -1,18 +1,22 @@
 """``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader,
 as SPEC §9 states.
 
-Use::
+Use (ready batches, the fast path; ``batched=False`` and ``DataLoader(dataset, batch_size=B)``
+give the same batches, collated by the DataLoader)::
 
-    dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=32, num_workers=4)
+    dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0,
+                               batch_size=B, batched=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=N)
     for epoch in range(epochs):
         dataset.set_epoch(epoch)
         for batch in loader: ...
 
 A sample equals LeRobot's map-style ``LeRobotDataset[i]`` for the same frame, key for key and
-dtype for dtype (SPEC §9.1; :func:`hf_to_torch` is LeRobot's conversion of row values). A worker
-yields its share's samples in the order of SPEC §9.2, each episode reserved whole at its exact
-synthesized size before any of its bytes is fetched (SPEC §9.3).
+dtype for dtype (SPEC §9.1). A worker yields its share's samples in the order of SPEC §9.2,
+each episode reserved whole at its exact synthesized size before any of its bytes is fetched
+(SPEC §9.3); with ``batched`` it yields them ``batch_size`` at a time as :class:`Batch`es, each
+one what the DataLoader's default collation makes of those samples, the last one of a worker's
+stream possibly short. A DataLoader with a batch size refuses them (UsageError).
 
 Resume (SPEC §9.4): ``state_dict(samples=steps * B, batch_size=B, num_workers=N)``, ``steps``
 counting the batches consumed since the position was set, is a checkpoint; ``load_state_dict``
@@ -20,8 +24,8 @@ before ``iter(loader)`` continues from it, also with another world size, worker 
 size (SPEC §3.9: it replays the old ranks to find what they delivered, ``resume.delivered_by``,
 and the workers plan the rest, ``resume.Course``)::
 
-    dataset = StreamingDataset(root, repeat=True, seed=seed, batch_size=B)
-    loader = DataLoader(dataset, batch_size=B, num_workers=N)
+    dataset = StreamingDataset(root, repeat=True, seed=seed, batch_size=B, batched=True)
+    loader = DataLoader(dataset, batch_size=None, num_workers=N)
     if checkpoint is not None:
         dataset.load_state_dict(checkpoint["data"], num_workers=N)
     for steps, batch in enumerate(loader, start=1):
@@ -35,42 +39,27 @@ same number of batches (SPEC §9.5), so DDP does not hang.
 Where things happen. ``__init__`` (the main process) reads the metadata, selects episodes, checks
 the windows, resolves the rank (arguments, else an initialised ``torch.distributed``, else
 ``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the sidecar index exists. Each DataLoader
-worker plans its share's spans and sizes (:func:`refstream.synth.episode_spans`), follows its
-:class:`~refstream.planner.Planner`, fetches episodes on fetch threads (rows, and one byte range
-per camera made a mini-MP4) and assembles samples on decode threads, yielding them strictly in
-planner order; image transforms run on the yielding thread, so a seeded generator reproduces
-them. The position lives in shared memory, so persistent workers see it. Every resource (threads,
-budget, decoders, connections) is closed when the generator ends, fails or is closed early, and
-an exception in any thread reaches the consumer with its cause chained.
+worker places itself (``resume.Course``) and runs a :class:`refstream.worker.WorkerStream`. The
+position lives in shared memory, so persistent workers see it. Every resource (threads, budget,
+decoders, connections) is closed when the generator ends, fails or is closed early, and an
+exception in any thread reaches the consumer with its cause chained.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import shard, synth
-from refstream.budget import ByteBudget
-from refstream.decode import DecoderCache
-from refstream.errors import (
-    EpisodeTooLarge,
-    FetchError,
-    TableError,
-    TopologyChanged,
-    UsageError,
-)
+from refstream import shard
+from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError
 from refstream.hub import pinned_root
-from refstream.meta import INFO_PATH, DatasetMeta, column_array, load_meta, select_episodes
-from refstream.mp4 import SampleIndex
+from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
 from refstream.resume import (
     Course,
@@ -83,45 +72,31 @@ from refstream.resume import (
     selection_digest,
 )
 from refstream.rng import MASK64, resolve_seed
-from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
+from refstream.sidecar import VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
-from refstream.tables import Footers, read_episode_rows
-from refstream.windows import make_windows, window_rows
+from refstream.windows import make_windows
+from refstream.worker import STAT_FIELDS, Batch, WorkerStream
 
-__all__ = ["StreamingDataset", "GIB"]
+__all__ = ["StreamingDataset", "Batch", "GIB"]
 
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
-# Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
-# each episode is one task, and a worker's share of a 2-core machine is small.
-MAX_FETCH_THREADS = 4
 # Layout of the shared position tensor (int64): where every new iterator starts, with which
 # seed (its 64 bits), and the digest of the earlier topologies it resumes after (0: none).
 _EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS, _SEED, _HISTORY = range(6)
-# Per-worker counters every worker publishes in shared memory (for the demo, benches and tests);
-# workers with an id beyond MAX_TRACKED_WORKERS stream normally but publish nothing.
-STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
-               "fetch_requests", "fetch_bytes", "decoded_frames")
+# Workers with an id beyond this stream normally but publish no counters.
 MAX_TRACKED_WORKERS = 64
-# Counters are published at most this often while streaming (each publish costs ~0.2 ms, as
-# much as 3 % of a sample), and always when the worker's stream ends.
-STATS_INTERVAL_S = 0.05
 
 
-@dataclass(frozen=True)
-class _Video:
-    """One camera's synthesized episode video."""
-
-    mp4: bytes
-    start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
+def _refuse_batches(batch, *, collate_fn_map=None):
+    raise UsageError(
+        "the dataset yields ready batches (batched=True): give the DataLoader batch_size=None, "
+        "or build the dataset without batched=True to let the DataLoader batch samples")
 
 
-@dataclass(frozen=True)
-class _Episode:
-    """What a fetch task produces for one episode: its rows and its videos."""
-
-    rows: dict[str, np.ndarray]  # Parquet column -> values, one entry per frame
-    videos: dict[str, _Video]  # camera -> video
+# The DataLoader's default collation (torch documents extending it through this map) refuses
+# batches of ready batches, which would otherwise stack silently into wrong ones.
+default_collate_fn_map[Batch] = _refuse_batches
 
 
 class StreamingDataset(IterableDataset):
@@ -131,10 +106,13 @@ class StreamingDataset(IterableDataset):
     ``episode_pool_size`` is per worker (default: 32 per rank split over the workers);
     ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` are per rank, split over the
     workers; ``prefetch_episodes`` frontier episodes are fetched ahead per worker.
-    ``batch_size`` (refstream's addition) is the DataLoader's batch size: needed for the
-    distributed end of a finite epoch and to load a checkpoint, and checked against
-    checkpoints. ``sidecar_lock_timeout_s`` is how long to wait for another process building the
-    video index (default ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else 1800 s).
+    ``batch_size`` (refstream's addition) is the batch size: needed for the distributed end
+    of a finite epoch and to load a checkpoint, and checked against checkpoints; with
+    ``batched`` the dataset yields batches of it (use ``DataLoader(batch_size=None)``), else it
+    is the DataLoader's. ``decode_threads`` decode each group of ``decoded_queue_size`` samples
+    (of ``batch_size`` when batched). ``sidecar_lock_timeout_s`` is how long to wait for another
+    process building the video index (default ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else
+    1800 s).
     """
 
     def __init__(
@@ -158,6 +136,7 @@ class StreamingDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         batch_size: int | None = None,
+        batched: bool = False,
         num_workers: int | None = None,
         sidecar_lock_timeout_s: float | None = None,
     ) -> None:
@@ -179,6 +158,9 @@ class StreamingDataset(IterableDataset):
         self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
+        self.batched = batched
+        if batched and not batch_size:
+            raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
         self.num_workers = num_workers
         self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
@@ -244,18 +226,26 @@ class StreamingDataset(IterableDataset):
         return sum(self._frames)
 
     def __len__(self) -> int:
-        """Samples this rank yields in an epoch: every frame of its episodes, or, with
-        ``world_size > 1`` and no ``repeat``, those of the batches every rank can fill (SPEC
-        §9.5), which depends on the DataLoader's worker count: give ``num_workers``."""
-        if self.repeat or self.world_size == 1:
+        """Samples this rank yields in an epoch (batches with ``batched``, each worker's last
+        one possibly short): every frame of its episodes, or, with ``world_size > 1`` and no
+        ``repeat``, those of the batches every rank can fill (SPEC §9.5). A distributed or
+        batched count depends on the DataLoader's worker count: give ``num_workers``."""
+        if not self.batched and (self.repeat or self.world_size == 1):
             return self.rank_frames
         if self.num_workers is None:
             raise UsageError(
-                "len() of a distributed epoch depends on the DataLoader's worker count: build "
-                "the dataset with num_workers=N (the DataLoader's)")
+                f"len() of a {'batched' if self.batched else 'distributed'} epoch depends on "
+                "the DataLoader's worker count: build the dataset with num_workers=N (the "
+                "DataLoader's)")
         course = Course(self._order(), Delivered(0), self.world_size, max(1, self.num_workers),
                         self.batch_size)
-        return sum(course.positions(self.rank, 0).stops)
+        stops = course.positions(self.rank, 0).stops
+        if self.repeat:  # endless: an epoch is every frame of each worker's share
+            stops = [sum(self._frames_of[e] for e in course.share(self.rank, w, 0))
+                     for w in range(course.num_workers)]
+        if not self.batched:
+            return sum(stops)
+        return sum(-(-stop // self.batch_size) for stop in stops)
 
     def selection_stats(self) -> dict:
         """The normalisation statistics of the selected episodes alone, combined from each
@@ -364,7 +354,7 @@ class StreamingDataset(IterableDataset):
         """Each episode's exact byte size, computed as a worker computes its share's."""
         limits = shard.split_limits(1, pool_size=None, byte_budget=self.byte_budget,
                                     decoder_cache=None, cameras=len(self.meta.camera_keys))
-        worker = _WorkerStream(self, episodes, limits, None)
+        worker = WorkerStream(self, episodes, limits, None)
         try:
             return dict(worker.byte_sizes)
         finally:
@@ -401,30 +391,25 @@ class StreamingDataset(IterableDataset):
             num_workers, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
-        # A generator: a persistent worker forwards what its first step raises, not iter's.
-        yield from self._stream(course, logical, worker, limits, positions.epochs[logical],
-                                positions.offsets[logical], positions.stops[logical])
-
-    def _stream(self, course: Course, logical: int, worker_id: int,
-                limits: shard.WorkerLimits, epoch: int, offset: int,
-                stop: int | None) -> Iterator[dict]:
-        stats = self._stats[worker_id] if worker_id < MAX_TRACKED_WORKERS else None
+        stats = self._stats[worker] if worker < MAX_TRACKED_WORKERS else None
+        epoch, offset = positions.epochs[logical], positions.offsets[logical]
         ordinary = course.delivered.first + len(course.delivered.counts)
         episodes = set(course.share(self.rank, logical, ordinary))
         for later in range(epoch, ordinary):  # the rest of epochs in progress
             episodes.update(course.share(self.rank, logical, later))
-        worker = _WorkerStream(self, sorted(episodes), limits, stats)
-        try:
-            while True:
-                planner = self._planner(course, logical, epoch, worker.byte_sizes,
-                                        limits.byte_budget)
-                yield from worker.run(planner, offset, stop)
-                if not self.repeat:
-                    return
-                epoch, offset = epoch + 1, 0
-        finally:
-            worker.close()
+        stream = WorkerStream(self, sorted(episodes), limits, stats)
 
+        def runs():  # (planner, offset, stop) of each epoch the worker plays
+            for at in itertools.count(epoch) if self.repeat else [epoch]:
+                planner = self._planner(course, logical, at, stream.byte_sizes,
+                                        limits.byte_budget)
+                yield planner, offset if at == epoch else 0, positions.stops[logical]
+
+        try:
+            yield from stream.stream(runs(), self.batch_size if self.batched
+                                     else self.decoded_queue_size, self.batched, info is not None)
+        finally:
+            stream.close()
 
     def _planner(self, course: Course, logical: int, epoch: int,
                  byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
@@ -440,286 +425,7 @@ class StreamingDataset(IterableDataset):
             ) from exc
 
 
-class _WorkerStream:
-    """One worker's resources and its streaming loop (runs in the worker process)."""
-
-    def __init__(self, dataset: StreamingDataset, share: list[int],
-                 limits: shard.WorkerLimits, stats: torch.Tensor | None) -> None:
-        self.ds = dataset
-        self.stats = stats
-        self.samples = 0
-        self._published_at = float("-inf")
-        self.meta = dataset.meta
-        self.cameras = list(dataset.meta.camera_keys)
-        self.columns = list(dataset.meta.parquet_keys)
-        self.source = open_source(dataset.worker_root)
-        self.footers = Footers()
-        self.fetch_pool: ThreadPoolExecutor | None = None
-        self.decode_pool: ThreadPoolExecutor | None = None
-        self.decoders = DecoderCache(limits.decoder_cache)
-        self.budget: ByteBudget | None = None
-        self.byte_sizes: dict[int, int] | None = None
-        self.payloads: dict[int, Future[_Episode]] = {}
-        try:
-            self.spans: dict[int, dict[str, tuple[SampleIndex, synth.Span]]] = {}
-            if self.cameras:
-                self._plan_spans(share)
-                self.budget = ByteBudget(limits.byte_budget)
-            self.fetch_pool = ThreadPoolExecutor(
-                max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
-                thread_name_prefix="refstream-fetch")
-            self.decode_pool = ThreadPoolExecutor(dataset.decode_threads,
-                                                  thread_name_prefix="refstream-decode")
-        except BaseException:
-            self.close()
-            raise
-
-    def _plan_spans(self, share: list[int]) -> None:
-        """Each (episode, camera) span of the share at the nominal times, and each episode's
-        exact byte size (SPEC §9.2)."""
-        self.index = index = MappedIndex(self.ds.video_index)
-        # A payload read later must come from the file as it was indexed (else PayloadChanged).
-        for relpath, record in self.ds.video_index.records.items():
-            if record.identity:
-                self.source.expect_identity(relpath, record.identity)
-        self.byte_sizes = {}
-        for episode in share:
-            spans = synth.episode_spans(self.meta, episode, index, self.ds.tolerance_s)
-            self.spans[episode] = spans
-            self.byte_sizes[episode] = sum(synth.synthesized_size(sample_index, span)
-                                           for sample_index, span in spans.values())
-
-    # --- the loop -----------------------------------------------------------------------------
-
-    def run(self, planner: Planner, offset: int, stop: int | None) -> Iterator[dict]:
-        """Yield the planner's samples from anchor ``offset`` up to ``stop`` (None: the end)."""
-        planner.skip(offset)
-        planner.drain_events()
-        remaining = planner.remaining if stop is None else max(0, stop - offset)
-        drained: set[int] = set()  # drained by the planner, samples still queued
-        in_flight: dict[int, int] = {}  # episode -> samples scheduled, not yet yielded
-        queue: deque[tuple[int, Future[dict]]] = deque()
-        to_admit = deque(planner.resident)
-        while True:
-            while remaining and len(queue) < self.ds.decoded_queue_size:
-                if to_admit and not self._admit(to_admit, wait=not queue):
-                    break  # the budget waits for leases that yielding samples will release
-                if to_admit:
-                    continue
-                episode, frame = next(planner)
-                remaining -= 1
-                admitted, evicted = planner.drain_events()
-                to_admit.extend(admitted)
-                drained.update(evicted)
-                in_flight[episode] = in_flight.get(episode, 0) + 1
-                queue.append((episode, self.decode_pool.submit(self._sample, episode, frame)))
-                self._prefetch(planner)
-            if not queue:
-                return
-            episode, future = queue.popleft()
-            item = future.result()
-            in_flight[episode] -= 1
-            if episode in drained and not in_flight[episode]:
-                self._forget(episode)
-                drained.discard(episode)
-            if self.ds.image_transforms is not None:
-                for camera in self.cameras:
-                    item[camera] = self.ds.image_transforms(item[camera])
-            self.samples += 1
-            if time.monotonic() - self._published_at >= STATS_INTERVAL_S:
-                self._publish()
-            yield item
-
-    def _publish(self) -> None:
-        """Write this worker's counters into the dataset's shared stats row."""
-        if self.stats is None:
-            return
-        self._published_at = time.monotonic()
-        fetched = self.source.stats()
-        budget = self.budget.snapshot() if self.budget is not None else None
-        values = {
-            "samples": self.samples,
-            "budget_bytes": budget.budget_bytes if budget else 0,
-            "peak_reserved_bytes": budget.peak_reserved_bytes if budget else 0,
-            "reserved_bytes": budget.reserved_bytes if budget else 0,
-            "evictions": budget.evictions if budget else 0,
-            "fetch_requests": fetched["requests"],
-            "fetch_bytes": fetched["bytes"],
-            "decoded_frames": self.decoders.decoded_frames,
-        }
-        self.stats.copy_(torch.tensor([values[name] for name in STAT_FIELDS]))
-
-    def _admit(self, to_admit: deque[int], wait: bool) -> bool:
-        """Reserve and lease the next admitted episode and start its fetch; False if it must
-        wait for a lease to be released first (only when ``wait`` is False)."""
-        episode = to_admit[0]
-        if self.budget is not None:
-            size = self.byte_sizes[episode]
-            if not self.budget.acquire(episode, size, timeout_s=None if wait else 0):
-                return False
-            self._drop_evicted()
-        to_admit.popleft()
-        self._start_fetch(episode)
-        return True
-
-    def _prefetch(self, planner: Planner) -> None:
-        """Reserve and fetch frontier episodes while they fit without evicting anything."""
-        frontier = planner.frontier(self.ds.prefetch_episodes)
-        for episode in frontier:
-            if episode in self.payloads:
-                continue
-            if self.budget is not None:
-                size = self.byte_sizes[episode]
-                if self.budget.reserved_bytes + size > self.budget.budget_bytes:
-                    break  # full: keep the frontier's order, retry after the next sample
-                self.budget.try_reserve(episode, size)
-            self._start_fetch(episode)
-        if self.budget is not None:
-            # The budget evicts least recently used first: touch the frontier from its far end
-            # so an admission that must evict drops the prefetch needed last, not next.
-            for episode in reversed(frontier):
-                if self.budget.is_reserved(episode):
-                    self.budget.try_reserve(episode, self.byte_sizes[episode])
-
-    def _start_fetch(self, episode: int) -> None:
-        if self.budget is None:
-            if episode not in self.payloads:
-                self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
-            return
-        if self.budget.claim_fetch(episode):
-            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
-
-    def _drop_evicted(self) -> None:
-        for episode in self.budget.take_evicted():
-            self.payloads.pop(episode, None)
-            for camera in self.cameras:
-                self.decoders.discard((episode, camera))
-
-    def _forget(self, episode: int) -> None:
-        """The episode is drained and its last sample yielded: free its bytes and decoders."""
-        self.payloads.pop(episode, None)
-        for camera in self.cameras:
-            self.decoders.discard((episode, camera))
-        if self.budget is not None:
-            self.budget.release(episode)
-            self.budget.forget(episode)
-
-    # --- fetch threads ------------------------------------------------------------------------
-
-    def _fetch(self, episode: int) -> _Episode:
-        try:
-            relpath = self.meta.data_relpath(episode)
-            table = read_episode_rows(self.source, relpath, episode,
-                                      self.ds._frames_of[episode], self.columns, self.footers)
-            rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
-                    for name in self.columns}
-            return _Episode(rows, self._videos(episode, rows["timestamp"]) if self.cameras
-                            else {})
-        except FetchError as exc:
-            # The source names the URL and byte range; only here is the episode known.
-            raise type(exc)(f"episode {episode}: {exc}") from exc
-        finally:
-            if self.budget is not None:
-                self.budget.mark_fetched(episode)
-
-    def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
-        """Each camera's mini-MP4. The exact request times (the timestamp column) must need no
-        sample outside the span sized from the nominal times, else the budget would be wrong."""
-        exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
-                                    timestamps)
-        videos = {}
-        for camera, (sample_index, span) in self.spans[episode].items():
-            needed = exact[camera][1]
-            if not span.covers(needed):
-                raise TableError(
-                    f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
-                    f"samples {needed.sample_lo}..{needed.sample_hi} of {sample_index.path}, "
-                    f"outside samples {span.sample_lo}..{span.sample_hi} planned from "
-                    f"timestamps frame_index / fps ({camera})")
-            payload = self.source.read_range(self.meta.video_relpath(episode, camera),
-                                             span.byte_offset, span.byte_length)
-            mp4 = synth.synthesize(sample_index, span, payload)
-            if self.budget is not None:
-                self.budget.mark_resident(episode, len(mp4))
-            videos[camera] = _Video(mp4, span.start_pts)
-        return videos
-
-    # --- decode threads -----------------------------------------------------------------------
-
-    def _sample(self, episode: int, frame: int) -> dict:
-        """The map-style item of ``frame`` of ``episode`` (waits for the episode's fetch)."""
-        data = self.payloads[episode].result()
-        length = self.ds._frames_of[episode]
-        item: dict = {}
-        for key in self.columns:
-            values = data.rows[key]
-            offsets = self.ds.windows.offsets.get(key)
-            if offsets is None:
-                item[key] = hf_to_torch(values[frame])
-            else:
-                rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = hf_to_torch(values[rows])
-                item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
-        row = self.meta.row(episode)
-        timestamps = data.rows["timestamp"]
-        for camera in self.cameras:
-            offsets = self.ds.windows.offsets.get(camera)
-            if offsets is None:
-                rows = np.array([frame])
-            else:
-                rows, is_pad = window_rows(offsets, frame, length)
-                item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
-            video = data.videos[camera]
-            frames = self.decoders.frames_at(
-                (episode, camera), video.mp4,
-                synth.request_times_s(self.meta, episode, camera, timestamps[rows]),
-                self.ds.tolerance_s, np.uint8 if self.ds.return_uint8 else np.float32,
-                video.start_pts)
-            pixels = torch.from_numpy(frames)
-            item[camera] = pixels[0] if len(rows) == 1 else pixels  # LeRobot's squeeze(0)
-        task_index = int(data.rows["task_index"][frame])
-        item["task"] = self.meta.tasks[task_index]
-        _check_anchor(item, episode, frame, int(self.meta.from_index[row]))
-        return item
-
-    # --- cleanup ------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self._publish()
-        if self.budget is not None:
-            self.budget.close()
-        if self.fetch_pool is not None:
-            self.fetch_pool.shutdown(wait=True, cancel_futures=True)
-        if self.decode_pool is not None:
-            self.decode_pool.shutdown(wait=True, cancel_futures=True)
-        self.payloads.clear()
-        self.decoders.close()
-        self.source.close()
-
-
 # --- helpers ----------------------------------------------------------------------------------
-
-
-def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
-    """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
-    Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
-    array = np.asarray(values)
-    if array.dtype.kind == "f":
-        array = array.astype(np.float32)
-    elif array.dtype.kind in "iu":
-        array = array.astype(np.int64)
-    elif array.dtype.kind != "b":
-        return array.tolist()
-    return torch.from_numpy(np.array(array, copy=True))
-
-
-def _check_anchor(item: dict, episode: int, frame: int, first_index: int) -> None:
-    if "episode_index" in item and int(item["episode_index"]) != episode:
-        raise TableError(f"episode {episode} frame {frame}: row has episode_index "
-                         f"{int(item['episode_index'])}")
-    if "index" in item and int(item["index"]) != first_index + frame:
-        raise TableError(f"episode {episode} frame {frame}: row has index {int(item['index'])}, "
-                         f"expected {first_index + frame}")
 
 
 def _digest(history: tuple[Segment, ...]) -> int:

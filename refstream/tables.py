@@ -3,11 +3,13 @@
 Use::
 
     footers = Footers()          # one per worker: each file's footer is read once
-    table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers)
+    table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers,
+                              first_index=meta.from_index[row])     # checks the index column
     values = column_array(table[name], where, name)          # refstream.meta: numpy per row
 
 ``read_episode_rows`` returns a ``pyarrow.Table`` of exactly ``columns`` (asked order,
-duplicates dropped) and ``expected_rows`` rows: list and struct features keep their Arrow types
+duplicates dropped) and ``expected_rows`` rows whose ``frame_index`` counts from 0 and, given
+``first_index``, whose ``index`` counts from it: list and struct features keep their Arrow types
 until the caller converts them. It reads through a ``RangeFile`` over the source, so only the
 footer (one ``read_tail`` of :data:`FOOTER_TAIL_BYTES`) and the candidate row groups' column
 chunks travel; :func:`candidate_row_groups` is the pruning rule on its own. Failures are
@@ -39,6 +41,7 @@ __all__ = [
 
 EPISODE_COLUMN = "episode_index"
 FRAME_COLUMN = "frame_index"
+INDEX_COLUMN = "index"
 
 
 # The file's tail fetched with its size in one request: pyarrow reads the footer from the last
@@ -86,6 +89,7 @@ def read_episode_rows(
     expected_rows: int,
     columns: Sequence[str],
     footers: Footers | None = None,
+    first_index: int | None = None,
 ) -> pa.Table:
     """The rows of ``episode`` in ``relpath``, projected to ``columns`` (module docstring)."""
     wanted = list(dict.fromkeys(columns))
@@ -106,7 +110,7 @@ def read_episode_rows(
         # interpreter at exit (apache/arrow#34314); one episode's rows are small anyway.
         table = parquet.read_row_groups(groups, columns=[*wanted, *extra], use_threads=False)
         table = table.filter(pc.equal(table[EPISODE_COLUMN], pa.scalar(episode, pa.int64())))
-        _validate(table, where, expected_rows)
+        _validate(table, where, expected_rows, first_index)
     except RefstreamError:
         raise
     except (pa.ArrowException, OSError) as exc:
@@ -132,13 +136,15 @@ def _episode_stats(parquet: pq.ParquetFile) -> list[tuple[int, int] | None]:
     return stats
 
 
-def _validate(table: pa.Table, where: str, expected_rows: int) -> None:
+def _validate(table: pa.Table, where: str, expected_rows: int, first_index: int | None) -> None:
     if table.num_rows != expected_rows:
         raise TableError(f"{where}: expected {expected_rows} rows, found {table.num_rows}")
-    if FRAME_COLUMN in table.column_names:
-        frames = column_array(table[FRAME_COLUMN], where, FRAME_COLUMN)
-        if not np.array_equal(frames, np.arange(expected_rows)):
-            bad = int(np.flatnonzero(frames != np.arange(expected_rows))[0])
-            raise TableError(
-                f"{where}: non-contiguous frame_index: row {bad} has {int(frames[bad])}"
-            )
+    for name, first in ((FRAME_COLUMN, 0), (INDEX_COLUMN, first_index)):
+        if first is None or name not in table.column_names:
+            continue
+        values = column_array(table[name], where, name)
+        expected = np.arange(first, first + expected_rows)
+        if not np.array_equal(values, expected):
+            bad = int(np.flatnonzero(values != expected)[0])
+            raise TableError(f"{where}: non-contiguous {name}: row {bad} has {int(values[bad])}, "
+                             f"expected {int(expected[bad])}")

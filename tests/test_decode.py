@@ -1,13 +1,10 @@
 """refstream.decode against plain PyAV: every frame of small real files (H.264 with and without
 B-frames, open GOP, AV1), requested by presentation time from the bytes held in memory, equals the
-frame a full decode of the file yields at that pts; tolerance is enforced, never guessed past;
-the decoder LRU is bounded and serialises each decoder across threads and evictions."""
+frame a full decode of the file yields at that pts; the frame serving a time is chosen within
+tolerance, never guessed past; the decoder LRU is bounded."""
 
-import itertools
 import json
 import math
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +13,7 @@ import torch
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
-from refstream import decode
-from refstream.decode import DecoderCache, EpisodeDecoder
+from refstream.decode import DecoderCache, EpisodeDecoder, select_frames
 from refstream.errors import DecodeError, FrameNotFound, UsageError
 from refstream.mp4 import parse_index_bytes
 from refstream.synth import select_span, synthesize
@@ -52,6 +48,14 @@ def chw(frame_hwc: np.ndarray) -> np.ndarray:
     return frame_hwc.transpose(2, 0, 1)
 
 
+def frames_at(decoder: EpisodeDecoder, oracle: dict, times_s, tolerance_s: float,
+              dtype=np.uint8) -> np.ndarray:
+    """The frames serving ``times_s``: select_frames over every pts of the file, then decoded."""
+    pts = np.array(sorted(oracle), dtype=np.int64)
+    chosen = select_frames(pts, decoder.timescale, times_s, tolerance_s, decoder.label)
+    return decoder.frames(pts[chosen], dtype)
+
+
 def test_the_files_have_what_the_cases_need(videos):
     # Reordered files present frames in another order than they are decoded (B-frames).
     for name, (data, oracle) in videos.items():
@@ -65,7 +69,7 @@ def test_every_frame_one_request_at_a_time_backwards(videos, name):
     data, oracle = videos[name]
     with EpisodeDecoder(data, "episode 0 camera top") as decoder:
         for pts in sorted(oracle, reverse=True):  # every request seeks backwards
-            frames = decoder.frames_at([seconds(decoder, pts)], tolerance_s=1e-4)
+            frames = decoder.frames([pts])
             assert frames.shape == (1, 3, 48, 64) and frames.dtype == np.uint8
             np.testing.assert_array_equal(frames[0], chw(oracle[pts]), err_msg=f"pts {pts}")
 
@@ -76,7 +80,7 @@ def test_repeated_and_unordered_requests_in_one_call(videos, name):
     rng = np.random.default_rng(7)
     wanted = rng.choice(sorted(oracle), size=45)  # repeats included, shuffled
     with EpisodeDecoder(data) as decoder:
-        frames = decoder.frames_at([seconds(decoder, p) for p in wanted], tolerance_s=1e-4)
+        frames = decoder.frames(wanted)
     expected = np.stack([chw(oracle[p]) for p in wanted])
     np.testing.assert_array_equal(frames, expected)
 
@@ -88,7 +92,7 @@ def test_a_time_within_tolerance_picks_the_nearest_frame(videos):
         step = seconds(decoder, pts[1]) - seconds(decoder, pts[0])  # one frame: 1/30 s
         late = seconds(decoder, pts[12]) + 0.3 * step  # nearer frame 12 than 13
         early = seconds(decoder, pts[12]) - 0.3 * step
-        frames = decoder.frames_at([late, early], tolerance_s=0.4 * step)
+        frames = frames_at(decoder, oracle, [late, early], tolerance_s=0.4 * step)
     np.testing.assert_array_equal(frames[0], chw(oracle[pts[12]]))
     np.testing.assert_array_equal(frames[1], chw(oracle[pts[12]]))
 
@@ -105,10 +109,10 @@ def test_a_time_matching_no_frame_within_tolerance_raises(videos, where):
             "before the first": -step,
         }[where]
         with pytest.raises(FrameNotFound, match="episode 7 camera wrist") as caught:
-            decoder.frames_at([seconds(decoder, pts[3]), time_s], tolerance_s=0.25 * step)
+            frames_at(decoder, oracle, [seconds(decoder, pts[3]), time_s], 0.25 * step)
         assert repr(time_s) in str(caught.value)
         # The same time with a tolerance that reaches a frame is served.
-        decoder.frames_at([time_s], tolerance_s=1.01 * step)
+        frames_at(decoder, oracle, [time_s], tolerance_s=1.01 * step)
 
 
 @pytest.mark.parametrize("name", ["h264-bframes", "av1"])
@@ -120,20 +124,21 @@ def test_the_edges_of_the_tolerance(videos, name):
     with EpisodeDecoder(data, "episode 2 camera top") as decoder:
         edge = [p for p in sorted(oracle) if p / decoder.timescale == 0.5]
         assert edge, "the video has a frame at 0.5 s"
-        frames = decoder.frames_at([0.5 - 2**-10], tolerance_s=2**-10)
+        frames = frames_at(decoder, oracle, [0.5 - 2**-10], tolerance_s=2**-10)
         np.testing.assert_array_equal(frames[0], chw(oracle[edge[0]]))
         with pytest.raises(FrameNotFound):
-            decoder.frames_at([math.nextafter(0.5 - 2**-10, 0.0)], tolerance_s=2**-10)
+            frames_at(decoder, oracle, [math.nextafter(0.5 - 2**-10, 0.0)], 2**-10)
         wanted = sorted(oracle)[3:9]
-        frames = decoder.frames_at([p / decoder.timescale for p in wanted], tolerance_s=0.0)
+        frames = frames_at(decoder, oracle, [p / decoder.timescale for p in wanted], 0.0)
         np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
         with pytest.raises(FrameNotFound):
-            decoder.frames_at([math.nextafter(wanted[0] / decoder.timescale, 1.0)], 0.0)
+            frames_at(decoder, oracle, [math.nextafter(wanted[0] / decoder.timescale, 1.0)],
+                      0.0)
 
 
 def test_no_request_gives_an_empty_batch(videos):
     with EpisodeDecoder(videos["av1"][0]) as decoder:
-        assert decoder.frames_at([], tolerance_s=1e-4).shape == (0, 3, 48, 64)
+        assert decoder.frames([]).shape == (0, 3, 48, 64)
 
 
 @pytest.mark.parametrize("name", ["av1", "h264-bframes"])
@@ -143,7 +148,7 @@ def test_float_frames_are_the_oracle_over_255_as_lerobot_divides(videos, name):
     with EpisodeDecoder(data) as decoder:
         pts = sorted(oracle)
         wanted = [pts[5], pts[0], pts[5], pts[-1]]
-        frames = decoder.frames_at([seconds(decoder, p) for p in wanted], 1e-4, np.float32)
+        frames = decoder.frames(wanted, np.float32)
     expected = torch.stack([torch.from_numpy(chw(oracle[p]).copy()) for p in wanted])
     expected = expected.to(torch.float32) / 255
     assert frames.dtype == np.float32
@@ -152,7 +157,7 @@ def test_float_frames_are_the_oracle_over_255_as_lerobot_divides(videos, name):
 
 def test_only_uint8_and_float32_frames(videos):
     with EpisodeDecoder(videos["av1"][0]) as decoder, pytest.raises(UsageError, match="float32"):
-        decoder.frames_at([0.0], 1e-4, np.float64)
+        decoder.frames([0], np.float64)
 
 
 @pytest.mark.parametrize("name", ["h264-ipp", "h264-bframes"])
@@ -163,14 +168,14 @@ def test_decoded_frames_counts_what_the_decoder_produced(videos, name):
     pts = sorted(oracle)
     cache = DecoderCache(2)
     with EpisodeDecoder(data) as decoder:
-        decoder.frames_at([seconds(decoder, pts[0])], 1e-4)
+        decoder.frames([pts[0]])
         assert decoder.decoded_frames == 1
-        decoder.frames_at([seconds(decoder, pts[3]), seconds(decoder, pts[1])], 1e-4)
+        decoder.frames([pts[3], pts[1]])
         assert decoder.decoded_frames == 1 + 4  # presented 0..3, from the keyframe at 0
         total = decoder.decoded_frames
-    cache.frames_at((0, "a"), data, [seconds(decoder, pts[0])], 1e-4)
-    cache.frames_at((0, "a"), data, [seconds(decoder, pts[3]), seconds(decoder, pts[1])], 1e-4)
-    cache.frames_at((1, "a"), data, [seconds(decoder, pts[0])], 1e-4)
+    cache.frames((0, "a"), data, [pts[0]])
+    cache.frames((0, "a"), data, [pts[3], pts[1]])
+    cache.frames((1, "a"), data, [pts[0]])
     assert cache.decoded_frames == total + 1
     cache.close()
 
@@ -190,7 +195,7 @@ SPANS_S = [(0.0, 0.2), (0.2, 0.5), (8 / 30, 9 / 30), (0.5, 1.0), (29 / 30, 1.0)]
 
 @pytest.mark.parametrize("name", list(VIDEOS))
 def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
-    # The real path: index the source, cut the span's bytes, synthesize, decode by local time.
+    # The real path: index the source, cut the span's bytes, synthesize, decode by pts.
     data, oracle = videos[name]
     index = parse_index_bytes(data, name)
     for from_s, to_s in SPANS_S:
@@ -199,65 +204,19 @@ def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
         wanted = [p for p in sorted(oracle) if from_s - 1e-4 <= p / index.timescale < to_s - 1e-4]
         assert wanted, (name, from_s, to_s)
         with EpisodeDecoder(synthesize(index, span, payload), f"{name} {from_s}-{to_s}") as dec:
-            local_s = [(p - span.start_pts) / index.timescale for p in wanted]
-            frames = dec.frames_at(local_s[::-1], tolerance_s=1e-4)  # any order
+            local = [p - span.start_pts for p in wanted]
+            frames = dec.frames(local[::-1])  # any order
             for frame, pts in zip(frames, wanted[::-1], strict=True):
                 np.testing.assert_array_equal(frame, chw(oracle[pts]), err_msg=f"{name} {pts}")
-            for one_s, pts in zip(local_s, wanted, strict=True):  # one request at a time
-                np.testing.assert_array_equal(dec.frames_at([one_s], 1e-4)[0], chw(oracle[pts]))
-        # Source-file times, with the span's start as the video's local 0 (as streaming asks).
+            for one, pts in zip(local, wanted, strict=True):  # one request at a time
+                np.testing.assert_array_equal(dec.frames([one])[0], chw(oracle[pts]))
+        # Source-file pts, with the span's start as the video's local 0 (as streaming asks).
         with EpisodeDecoder(synthesize(index, span, payload), name, span.start_pts) as dec:
-            frames = dec.frames_at([p / index.timescale for p in wanted], tolerance_s=1e-4)
+            frames = dec.frames(wanted)
             np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
 
 
 # --- the decoder cache ---------------------------------------------------------------------
-
-HANG_GUARD_S = 30.0  # waits for events that take milliseconds; the bound only catches a hang
-
-
-class Recorder:
-    """Wraps EpisodeDecoder.frames_at/close to record overlap per decoder and, on one logical
-    clock, when each decoder last finished a decode and when it was closed. With ``hold_first``
-    the first decode announces itself (``first_started``) and waits for ``release_first``."""
-
-    def __init__(self, monkeypatch, slow_s: float = 0.0, hold_first: bool = False) -> None:
-        self.lock = threading.Lock()
-        self.active: dict[int, int] = {}
-        self.max_overlap = 0
-        self.clock = itertools.count()
-        self.closed: dict[int, int] = {}
-        self.finished: dict[int, int] = {}
-        self.seen: list[EpisodeDecoder] = []  # kept alive so that ids are never reused
-        self.first_started, self.release_first = threading.Event(), threading.Event()
-        original_frames_at, original_close = EpisodeDecoder.frames_at, EpisodeDecoder.close
-        recorder = self
-
-        def frames_at(decoder, times_s, tolerance_s, dtype=np.uint8):
-            with recorder.lock:
-                first = not recorder.seen
-                recorder.seen.append(decoder)
-                recorder.active[id(decoder)] = recorder.active.get(id(decoder), 0) + 1
-                recorder.max_overlap = max(recorder.max_overlap, recorder.active[id(decoder)])
-            try:
-                if hold_first and first:
-                    recorder.first_started.set()
-                    assert recorder.release_first.wait(HANG_GUARD_S)
-                time.sleep(slow_s)
-                return original_frames_at(decoder, times_s, tolerance_s, dtype)
-            finally:
-                with recorder.lock:
-                    recorder.active[id(decoder)] -= 1
-                    recorder.finished[id(decoder)] = next(recorder.clock)
-
-        def close(decoder):
-            with recorder.lock:
-                recorder.closed[id(decoder)] = next(recorder.clock)
-            original_close(decoder)
-
-        monkeypatch.setattr(decode.EpisodeDecoder, "frames_at", frames_at)
-        monkeypatch.setattr(decode.EpisodeDecoder, "close", close)
-
 
 def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos):
     data, oracle = videos["av1"]
@@ -271,80 +230,22 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos):
 
     cache = DecoderCache(capacity=2)
     for key in [(0, "a"), (1, "a"), (0, "a"), (2, "a")]:  # (1, "a") is least recent at the end
-        cache.frames_at(key, bytes_for(key), [0.0], 1e-4)
+        cache.frames(key, bytes_for(key), [0])
         assert len(cache) <= 2
     assert opened == [(0, "a"), (1, "a"), (2, "a")]  # a hit does not reopen
-    frames = cache.frames_at((1, "a"), bytes_for((1, "a")), [0.0], 1e-4)  # reopened after eviction
+    frames = cache.frames((1, "a"), bytes_for((1, "a")), [0])  # reopened after eviction
     assert opened[-1] == (1, "a")
     np.testing.assert_array_equal(frames[0], chw(oracle[min(oracle)]))
-    cache.frames_at((2, "a"), bytes_for((2, "a")), [0.0], 1e-4)  # kept: (0, "a") went instead
+    cache.frames((2, "a"), bytes_for((2, "a")), [0])  # kept: (0, "a") went instead
     assert opened[3:] == [(1, "a")]
     cache.discard((1, "a"))
     assert len(cache) == 1
-    cache.frames_at((1, "a"), bytes_for((1, "a")), [0.0], 1e-4)  # discarded: opened again
+    cache.frames((1, "a"), bytes_for((1, "a")), [0])  # discarded: opened again
     assert opened[3:] == [(1, "a"), (1, "a")]
     cache.close()
     assert len(cache) == 0
     with pytest.raises(UsageError):
-        cache.frames_at((0, "a"), data, [0.0], 1e-4)
-
-
-def test_threads_sharing_one_decoder_are_serialised_and_correct(videos, monkeypatch):
-    data, oracle = videos["h264-bframes"]
-    recorder = Recorder(monkeypatch, slow_s=0.002)
-    cache = DecoderCache(capacity=4)
-    pts = sorted(oracle)
-    with EpisodeDecoder(data) as probe:
-        tick_s = float(probe.time_base)
-    failures = []
-
-    def work(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for _ in range(8):
-            chosen = rng.choice(pts, size=3)
-            frames = cache.frames_at((3, "top"), data, [p * tick_s for p in chosen], 1e-4)
-            expected = np.stack([chw(oracle[p]) for p in chosen])
-            if not np.array_equal(frames, expected):
-                failures.append(seed)
-
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    cache.close()
-    assert not failures
-    assert recorder.max_overlap == 1
-
-
-def test_an_evicted_decoder_in_use_is_closed_only_after_its_decode(videos, monkeypatch):
-    data, _ = videos["av1"]
-    recorder = Recorder(monkeypatch, hold_first=True)
-    retiring = threading.Event()
-    retire = decode._Entry.retire  # white box: the eviction's close of a cache entry
-
-    def reporting_retire(entry):
-        retiring.set()
-        retire(entry)
-
-    monkeypatch.setattr(decode._Entry, "retire", reporting_retire)
-    cache = DecoderCache(capacity=1)
-    held = threading.Thread(target=cache.frames_at, args=((0, "a"), data, [0.0], 1e-4))
-    held.start()
-    assert recorder.first_started.wait(HANG_GUARD_S)  # the decode on (0, "a") is under way
-    evictor = threading.Thread(target=cache.frames_at, args=((1, "a"), data, [0.0], 1e-4))
-    evictor.start()  # evicts (0, "a") while it is in use
-    assert retiring.wait(HANG_GUARD_S)
-    evictor.join(0.1)  # room for a close that does not wait for the decode to happen
-    assert recorder.closed == {}  # no decoder closed while its decode runs
-    recorder.release_first.set()
-    held.join(HANG_GUARD_S)
-    evictor.join(HANG_GUARD_S)
-    first = id(recorder.seen[0])  # the evicted decoder
-    assert recorder.closed[first] > recorder.finished[first]
-    assert recorder.max_overlap == 1
-    assert len(cache) == 1
-    cache.close()
+        cache.frames((0, "a"), data, [0])
 
 
 # --- conformance cases ---------------------------------------------------------------------

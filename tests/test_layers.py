@@ -22,7 +22,7 @@ LAYERS = {
     # the edges
     "source": 2, "http": 2, "hub": 2, "tables": 2, "sidecar": 2, "decode": 2,
     # the dataset, and the package's lazy door to it
-    "stream": 3, "__init__": 3, "__main__": 4,
+    "stream": 3, "worker": 3, "__init__": 3, "__main__": 4,
     # the tools
     "tools": 4,
 }  # fmt: skip

@@ -4,7 +4,7 @@
 ``lr_av1.items.npz`` holds what ``LeRobotDataset(..., video_backend="pyav")[i]`` returned for
 every index with the windows in its ``keys.json`` (see the oracle's README). Every sample must
 match key for key, dtype for dtype, shape for shape and value for value — camera frames bit for
-bit.
+bit — whether it comes alone or as a row of a ready batch (``batched=True``).
 """
 
 from __future__ import annotations
@@ -54,13 +54,25 @@ def _expected(items: dict, keys: dict, tasks: list[str], index: int) -> dict:
     return out
 
 
+def _rows(batch: dict) -> list[dict]:
+    """The samples of a ready batch: row ``i`` of every key."""
+    return [{key: value[i] for key, value in batch.items()} for i in range(len(batch["index"]))]
+
+
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_every_sample_equals_lerobots_item(oracle, num_workers):
+def test_every_sample_equals_lerobots_item(oracle, num_workers, batched):
     root, items = oracle
     spec = json.loads(bytes(items["keys.json"]))
     tasks = json.loads(bytes(items["tasks.json"]))
-    dataset = StreamingDataset(root, delta_timestamps=spec["DT"], seed=0, episode_pool_size=2)
+    # Batches of 7: every worker's last batch of its share is short. (A batched dataset's
+    # len(), which list() asks for, needs the worker count.)
+    dataset = StreamingDataset(root, delta_timestamps=spec["DT"], seed=0, episode_pool_size=2,
+                               batch_size=7 if batched else None, batched=batched,
+                               num_workers=num_workers)
     samples = list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+    if batched:
+        samples = [row for batch in samples for row in _rows(batch)]
     assert sorted(int(s["index"]) for s in samples) == list(range(len(tasks)))
     for sample in samples:
         index = int(sample["index"])

@@ -1,6 +1,6 @@
 """The ways people load LeRobot video data today, written here as ``refstream bench``'s
 baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot rule,
-``refstream.stream.hf_to_torch``):
+``refstream.worker.hf_to_torch``):
 
 ``MapStyleVideoDataset(root, delta_timestamps)``
     A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
@@ -35,8 +35,8 @@ from av.video.reformatter import VideoReformatter
 from refstream.errors import UsageError
 from refstream.meta import DatasetMeta, column_array, load_meta
 from refstream.source import LocalSource
-from refstream.stream import hf_to_torch
 from refstream.windows import make_windows, window_rows
+from refstream.worker import hf_to_torch
 
 __all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",
            "cpu_seconds", "TOLERANCE_S"]

@@ -1,0 +1,490 @@
+"""One DataLoader worker's stream: its share's episodes fetched whole, their frames decoded, and
+its samples (or ready batches) yielded in planner order (SPEC §9.2, §9.3).
+
+Use (``StreamingDataset`` does this in each worker)::
+
+    worker = WorkerStream(dataset, share, limits, stats_row)   # plans spans and byte sizes
+    try:
+        yield from worker.stream(runs, group=B, batched=True, in_worker=True)
+    finally:
+        worker.close()
+
+``runs`` gives ``(planner, offset, stop)`` per epoch: the planner's anchors from ``offset`` up to
+``stop`` (None: its end). Samples are made ``group`` at a time: each anchor's episode is reserved
+and its fetch started when admitted (fetch threads: rows, and one byte range per camera made a
+mini-MP4), then the group's frames are decoded, each decode thread with its own decoders and the
+yielding thread taking one share. An admission that must wait for room first decodes the anchors
+already taken, whose drained episodes then free theirs.
+
+Samples are LeRobot's map-style items (SPEC §9.1): :func:`hf_to_torch` converts row values, and
+the frame serving each row's time is chosen once per episode and camera when its video arrives
+(:func:`refstream.decode.select_frames`). Image transforms run on the yielding thread in sample
+order. With ``batched`` a group is one :class:`Batch`, what the DataLoader's default collation
+makes of its samples, whose frames are decoded straight into tensors in shared memory
+(:class:`SharedBuffers`): such a tensor crosses to the training process as a handle, and the
+worker writes into it again only once that process has dropped it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from refstream import shard, synth
+from refstream.budget import ByteBudget
+from refstream.decode import DecoderCache, select_frames
+from refstream.errors import FetchError, TableError
+from refstream.meta import column_array
+from refstream.planner import Planner
+from refstream.sidecar import MappedIndex
+from refstream.source import open_source
+from refstream.tables import Footers, read_episode_rows
+from refstream.windows import window_rows
+
+__all__ = ["WorkerStream", "Batch", "SharedBuffers", "hf_to_torch", "STAT_FIELDS"]
+
+# Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
+# each episode is one task, and a worker's share of a 2-core machine is small.
+MAX_FETCH_THREADS = 4
+# Counters every worker publishes in shared memory (for the demo, benches and tests).
+STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
+               "fetch_requests", "fetch_bytes", "decoded_frames")
+# Counters are published at most this often while streaming (each publish costs ~0.2 ms), and
+# always when the worker's stream ends.
+STATS_INTERVAL_S = 0.05
+# Shared camera tensors a worker keeps for reuse; past this many (a consumer holding hundreds
+# of batches) a batch gets memory that is not used again.
+MAX_SHARED_BUFFERS = 1024
+
+
+@dataclass(frozen=True)
+class _Video:
+    """One camera's synthesized episode video."""
+
+    mp4: bytes
+    start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
+    serving_pts: np.ndarray  # int64 source ticks of the frame serving each row's time
+
+
+@dataclass(frozen=True)
+class _Episode:
+    """What a fetch task produces for one episode: its rows and its videos."""
+
+    rows: dict[str, np.ndarray]  # Parquet column -> values, one entry per frame
+    videos: dict[str, _Video]  # camera -> video
+
+
+@dataclass
+class _Group:
+    """Samples made together: anchors, row values, frame requests, and where frames go."""
+
+    size: int  # samples in a full group
+    shared: bool  # frames decoded into shared tensors of ``size`` samples, else one array each
+    anchors: list[tuple[int, int]] = field(default_factory=list)
+    values: dict[str, list] = field(default_factory=dict)  # key -> one value per sample
+    requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
+    frames: dict[str, list | torch.Tensor] = field(default_factory=dict)  # camera -> frames
+    leases: dict[str, tuple] = field(default_factory=dict)  # camera -> (flags, cell)
+    done: int = 0  # anchors gathered and decoded
+
+
+class Batch(dict):
+    """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
+    default collation stacks them. Pickled in a worker, it carries handles to its shared camera
+    tensors; the process that receives it frees each buffer once it drops that tensor."""
+
+    __slots__ = ("leases",)
+
+    def __copy__(self) -> Batch:  # the DataLoader's default_convert and pin_memory copy it
+        return _batch(self, getattr(self, "leases", {}))
+
+    def __reduce__(self):
+        return _received, (dict(self), getattr(self, "leases", {}))
+
+
+def _batch(values: dict, leases: dict) -> Batch:
+    batch = Batch(values)
+    batch.leases = leases
+    return batch
+
+
+def _received(values: dict, leases: dict) -> Batch:
+    """A batch where it is used: each leased tensor clears its buffer's flag once dropped."""
+    values = dict(values)
+    for key, (flags, cell) in leases.items():
+        array = values[key].numpy()
+        weakref.finalize(array, flags.__setitem__, cell, 0).atexit = False
+        values[key] = torch.from_numpy(array)
+    return _batch(values, {})
+
+
+class SharedBuffers:
+    """A worker's camera tensors in shared memory, each with a flag (shared too) set while a
+    batch holding it is away, cleared by the process that dropped it."""
+
+    def __init__(self) -> None:
+        self.flags = torch.zeros(MAX_SHARED_BUFFERS, dtype=torch.uint8).share_memory_()
+        self._busy = self.flags.numpy()
+        self._tensors: list[torch.Tensor] = []
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
+        """A free tensor of ``shape`` and ``dtype`` and its lease ``(flags, cell)`` (no lease:
+        a tensor that is not used again)."""
+        for cell, tensor in enumerate(self._tensors):
+            if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
+                break
+        else:
+            tensor = torch.empty(shape, dtype=dtype).share_memory_()
+            if len(self._tensors) == MAX_SHARED_BUFFERS:
+                return tensor, ()
+            cell = len(self._tensors)
+            self._tensors.append(tensor)
+        self._busy[cell] = 1
+        return tensor, (self.flags, cell)
+
+
+class WorkerStream:
+    """One worker's resources and its streaming loop (runs in the worker process)."""
+
+    def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits,
+                 stats: torch.Tensor | None) -> None:
+        self.ds, self.meta, self.stats = dataset, dataset.meta, stats
+        self.samples, self._published_at = 0, float("-inf")
+        self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
+        self.offsets = dataset.windows.offsets
+        self.keys = []  # a sample's keys, in the order of LeRobot's items
+        for key in self.columns:
+            self.keys += [key, f"{key}_is_pad"] if key in self.offsets else [key]
+        for camera in self.cameras:
+            self.keys += [f"{camera}_is_pad", camera] if camera in self.offsets else [camera]
+        self.keys.append("task")
+        self.dtype = np.dtype(np.uint8 if dataset.return_uint8 else np.float32)
+        self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
+        self.source = open_source(dataset.worker_root)
+        self.footers = Footers()
+        threads = dataset.decode_threads  # each with its own decoders; the yielding one too
+        self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
+                         for _ in range(threads)]
+        self.fetch_pool = self.decode_pool = self.budget = self.byte_sizes = self.buffers = None
+        self.payloads: dict[int, Future[_Episode]] = {}
+        self.planner: Planner | None = None
+        self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
+        self.drained: set[int] = set()  # drained by the planner, anchors still in flight
+        try:
+            if self.cameras:
+                self._plan_spans(share)
+                self.budget = ByteBudget(limits.byte_budget)
+            self.fetch_pool = ThreadPoolExecutor(
+                max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
+                thread_name_prefix="refstream-fetch")
+            if threads > 1:
+                self.decode_pool = ThreadPoolExecutor(threads - 1,
+                                                      thread_name_prefix="refstream-decode")
+        except BaseException:
+            self.close()
+            raise
+
+    def _plan_spans(self, share: list[int]) -> None:
+        """Each (episode, camera) span of the share at the nominal times, and each episode's
+        exact byte size (SPEC §9.2)."""
+        self.index = MappedIndex(self.ds.video_index)
+        # A payload read later must come from the file as it was indexed (else PayloadChanged).
+        for relpath, record in self.ds.video_index.records.items():
+            if record.identity:
+                self.source.expect_identity(relpath, record.identity)
+        self.spans = {e: synth.episode_spans(self.meta, e, self.index, self.ds.tolerance_s)
+                      for e in share}
+        self.byte_sizes = {e: sum(synth.synthesized_size(*pair) for pair in spans.values())
+                           for e, spans in self.spans.items()}
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def stream(self, runs: Iterator[tuple[Planner, int, int | None]], group: int, batched: bool,
+               in_worker: bool) -> Iterator[dict]:
+        """Samples (``batched``: Batches of ``group`` samples, the last one possibly short) of
+        the runs' anchors in order; ``in_worker``: batches go to another process."""
+        shared = batched and self.ds.image_transforms is None
+        made = _Group(group, shared)
+        for anchor in self._anchors(runs):
+            if anchor is not None:
+                made.anchors.append(anchor)
+                if len(made.anchors) < group:
+                    continue
+            self._decode(made)
+            if len(made.anchors) == group:
+                yield from self._emit(made, batched, in_worker)
+                made = _Group(group, shared)
+        if made.anchors:
+            self._decode(made)
+            yield from self._emit(made, batched, in_worker)
+
+    def _anchors(self, runs) -> Iterator[tuple[int, int] | None]:
+        """Every run's anchors in order, each after its episode's admission; None when the
+        anchors given so far must be decoded first (an admission waits for the room they free,
+        or the next run admits the same episodes again)."""
+        for self.planner, offset, stop in runs:
+            planner = self.planner
+            planner.skip(offset)
+            planner.drain_events()
+            remaining = planner.remaining if stop is None else max(0, stop - offset)
+            to_admit = deque(planner.resident)
+            self._prefetch()
+            while remaining:
+                while to_admit:
+                    if self._admit(to_admit[0], wait=not any(self.in_flight.values())):
+                        to_admit.popleft()
+                    else:
+                        yield None
+                episode, frame = next(planner)
+                remaining -= 1
+                admitted, evicted = planner.drain_events()
+                to_admit.extend(admitted)
+                self.drained.update(evicted)
+                self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
+                if admitted:
+                    self._prefetch()
+                yield episode, frame
+            yield None
+
+    def _decode(self, made: _Group) -> None:
+        """Gather the rows of the group's new anchors and decode their frames, each decode
+        thread the requests of its own decoders; then free the episodes they finish."""
+        new = made.anchors[made.done:]
+        first_request = len(made.requests)
+        for slot in range(made.done, len(made.anchors)):
+            self._gather(made, slot)
+        parts = [[] for _ in self.decoders]
+        for request in made.requests[first_request:]:
+            parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
+        futures = [self.decode_pool.submit(self._decode_part, made, part, decoders)
+                   for part, decoders in zip(parts[1:], self.decoders[1:], strict=True) if part]
+        self._decode_part(made, parts[0], self.decoders[0])
+        for future in futures:
+            future.result()
+        made.done = len(made.anchors)
+        for episode, _ in new:
+            self.in_flight[episode] -= 1
+        finished = [e for e in self.drained if not self.in_flight.get(e)]
+        for episode in finished:
+            self._forget(episode)
+        if finished:
+            self._prefetch()
+
+    def _gather(self, made: _Group, slot: int) -> None:
+        """The row values, pad masks, task and frame requests of one anchor."""
+        episode, frame = made.anchors[slot]
+        data = self.payloads[episode].result()
+        length = self.ds._frames_of[episode]
+        add = made.values.setdefault
+        for key in self.columns + self.cameras:
+            offsets = self.offsets.get(key)
+            rows = frame
+            if offsets is not None:
+                rows, pad = window_rows(offsets, frame, length)
+                add(f"{key}_is_pad", []).append(pad)
+            if key in data.rows:
+                add(key, []).append(data.rows[key][rows])
+                continue
+            rows = np.atleast_1d(rows)
+            if key not in made.frames:
+                made.frames[key] = self._frames_out(made, key, episode, len(rows))
+            video = data.videos[key]
+            made.requests.append((slot, episode, key, video, video.serving_pts[rows]))
+        add("task", []).append(self.meta.tasks[int(data.rows["task_index"][frame])])
+
+    def _frames_out(self, made: _Group, camera: str, episode: int,
+                    frames: int) -> list | torch.Tensor:
+        """Where the group's frames of ``camera`` go: a shared tensor of the group's samples
+        sized by the video index, or a list for one array per sample."""
+        if not made.shared:
+            return [None] * made.size
+        index = self.spans[episode][camera][0]
+        self.buffers = self.buffers or SharedBuffers()
+        tensor, lease = self.buffers.take((made.size, frames, 3, index.height, index.width),
+                                          self.torch_dtype)
+        made.leases.update({camera: lease} if lease else {})
+        return tensor
+
+    def _decode_part(self, made: _Group, requests: list[tuple], decoders: DecoderCache) -> None:
+        for slot, episode, camera, video, pts in requests:
+            out = made.frames[camera]
+            array = None if isinstance(out, list) else out[slot].numpy()
+            frames = decoders.frames((episode, camera), video.mp4, pts, self.dtype,
+                                     video.start_pts, array)
+            if array is None:
+                out[slot] = torch.from_numpy(frames)
+
+    def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
+        """The group's samples, or its Batch, image transforms applied in sample order."""
+        count = len(made.anchors)
+        values = {key: hf_to_torch(np.stack(v)) for key, v in made.values.items()}
+        frames = {camera: out[:count] for camera, out in made.frames.items()}
+        for camera, out in frames.items():  # LeRobot's squeeze(0) of a one-frame window
+            if camera not in self.offsets:
+                frames[camera] = out[:, 0] if made.shared else [f[0] for f in out]
+        transforms = self.ds.image_transforms
+        if transforms is not None:
+            for i in range(count):
+                for out in frames.values():
+                    out[i] = transforms(out[i])
+        self.samples += count
+        if time.monotonic() - self._published_at >= STATS_INTERVAL_S:
+            self._publish()
+        if not batched:
+            for i in range(count):
+                yield {k: frames[k][i] if k in frames else values[k][i] for k in self.keys}
+            return
+        batch = {k: frames[k] if k in frames else values[k] for k in self.keys}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor):
+                batch[key] = default_collate(value)
+        yield _batch(batch, made.leases) if in_worker else _received(batch, made.leases)
+
+    def _publish(self) -> None:
+        """Write this worker's counters into the dataset's shared stats row."""
+        if self.stats is None:
+            return
+        self._published_at = time.monotonic()
+        fetched = self.source.stats()
+        budget = self.budget.snapshot() if self.budget is not None else None
+        # In STAT_FIELDS order; the budget's counters are its snapshot's fields of their names.
+        counters = [self.samples, *(getattr(budget, name, 0) for name in STAT_FIELDS[1:5]),
+                    fetched["requests"], fetched["bytes"],
+                    sum(d.decoded_frames for d in self.decoders)]
+        self.stats.copy_(torch.tensor(counters))
+
+    # --- admission, prefetch and release ------------------------------------------------------
+
+    def _admit(self, episode: int, wait: bool) -> bool:
+        """Reserve and lease ``episode`` and start its fetch; False if it must wait for a lease
+        to be released first (only when ``wait`` is False)."""
+        if self.budget is not None:
+            size = self.byte_sizes[episode]
+            if not self.budget.acquire(episode, size, timeout_s=None if wait else 0):
+                return False
+            self._drop_evicted()
+        self._start_fetch(episode)
+        return True
+
+    def _prefetch(self) -> None:
+        """Reserve and fetch frontier episodes while they fit without evicting anything."""
+        frontier = self.planner.frontier(self.ds.prefetch_episodes)
+        for episode in frontier:
+            if episode in self.payloads:
+                continue
+            if self.budget is not None:
+                size = self.byte_sizes[episode]
+                if self.budget.reserved_bytes + size > self.budget.budget_bytes:
+                    break  # full: keep the frontier's order, retry after the next release
+                self.budget.try_reserve(episode, size)
+            self._start_fetch(episode)
+        if self.budget is not None:
+            # The budget evicts least recently used first: touch the frontier from its far end
+            # so an admission that must evict drops the prefetch needed last, not next.
+            for episode in reversed(frontier):
+                if self.budget.is_reserved(episode):
+                    self.budget.try_reserve(episode, self.byte_sizes[episode])
+
+    def _start_fetch(self, episode: int) -> None:
+        """Fetch ``episode`` unless it is fetched or fetching (the budget says, when there is
+        one: a reservation is fetched once)."""
+        if (self.budget.claim_fetch(episode) if self.budget is not None
+                else episode not in self.payloads):
+            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
+
+    def _drop_evicted(self) -> None:
+        for episode in self.budget.take_evicted():
+            self._discard(episode)
+
+    def _forget(self, episode: int) -> None:
+        """The episode is drained and its last anchor decoded: free its bytes and decoders."""
+        self._discard(episode)
+        self.drained.discard(episode)
+        if self.budget is not None:
+            self.budget.release(episode)
+            self.budget.forget(episode)
+
+    def _discard(self, episode: int) -> None:
+        self.payloads.pop(episode, None)
+        for camera in self.cameras:
+            for decoders in self.decoders:
+                decoders.discard((episode, camera))
+
+    # --- fetch threads ------------------------------------------------------------------------
+
+    def _fetch(self, episode: int) -> _Episode:
+        try:
+            relpath = self.meta.data_relpath(episode)
+            table = read_episode_rows(
+                self.source, relpath, episode, self.ds._frames_of[episode], self.columns,
+                self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
+            rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
+                    for name in self.columns}
+            return _Episode(rows, self._videos(episode, rows["timestamp"]) if self.cameras
+                            else {})
+        except FetchError as exc:
+            # The source names the URL and byte range; only here is the episode known.
+            raise type(exc)(f"episode {episode}: {exc}") from exc
+        finally:
+            if self.budget is not None:
+                self.budget.mark_fetched(episode)
+
+    def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
+        """Each camera's mini-MP4 and the frame serving each row. The exact request times (the
+        timestamp column) must need no sample outside the span sized from the nominal times,
+        else the budget would be wrong."""
+        exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
+                                    timestamps)
+        videos = {}
+        for camera, (sample_index, span) in self.spans[episode].items():
+            needed = exact[camera][1]
+            if not span.covers(needed):
+                raise TableError(
+                    f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
+                    f"samples {needed.sample_lo}..{needed.sample_hi} of {sample_index.path}, "
+                    f"outside samples {span.sample_lo}..{span.sample_hi} planned from "
+                    f"timestamps frame_index / fps ({camera})")
+            payload = self.source.read_range(self.meta.video_relpath(episode, camera),
+                                             span.byte_offset, span.byte_length)
+            mp4 = synth.synthesize(sample_index, span, payload)
+            if self.budget is not None:
+                self.budget.mark_resident(episode, len(mp4))
+            pts = sample_index.pts[span.sample_lo:span.sample_hi + 1].astype(np.int64)
+            chosen = select_frames(pts, sample_index.timescale,
+                                   synth.request_times_s(self.meta, episode, camera, timestamps),
+                                   self.ds.tolerance_s, f"episode {episode} camera {camera}")
+            videos[camera] = _Video(mp4, span.start_pts, pts[chosen])
+        return videos
+
+    def close(self) -> None:
+        self._publish()
+        if self.budget is not None:
+            self.budget.close()
+        for pool in (self.fetch_pool, self.decode_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self.payloads.clear()
+        for decoders in self.decoders:
+            decoders.close()
+        self.source.close()
+
+
+def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
+    """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
+    Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
+    array = np.asarray(values)
+    if array.dtype.kind == "f":
+        array = array.astype(np.float32)
+    elif array.dtype.kind in "iu":
+        array = array.astype(np.int64)
+    elif array.dtype.kind != "b":
+        return array.tolist()
+    return torch.from_numpy(np.array(array, copy=True))

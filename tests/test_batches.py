@@ -1,0 +1,197 @@
+"""Ready batches (``batched=True`` with ``DataLoader(batch_size=None)``) against the plain idiom.
+
+The oracle is the DataLoader itself: the same dataset without ``batched``, collated by
+``DataLoader(dataset, batch_size=B)``. Every batch must be identical — same keys in the same
+order, same dtypes, shapes and values, same order of batches — with one worker or several (the
+DataLoader's round-robin, each worker's last batch short), across an epoch boundary with
+``repeat``, after a resume mid-epoch and on each rank of a distributed epoch. The shared camera
+buffers are checked on their own: one held by the consumer is never written again, one dropped
+is reused.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+from itertools import islice
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing  # registers the reductions that pickle tensors as handles
+from torch.utils.data import DataLoader
+
+from refstream.errors import UsageError
+from refstream.stream import Batch, StreamingDataset
+from refstream.tools.demo import write_demo_dataset
+from refstream.worker import SharedBuffers, _batch
+
+FPS = 30
+LENGTHS = (5, 8, 3, 7, 6, 4, 9)  # 42 frames: batches of 4 leave short ones on every worker
+BATCH = 4
+WINDOWS = {
+    "observation.images.front": [-2 / FPS, 0.0],  # a window; the wrist camera has none
+    "observation.state": [-1 / FPS, 0.0],
+    "action": [0.0, 1 / FPS, 2 / FPS],
+}
+
+
+@pytest.fixture(autouse=True)
+def _sidecar_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("batches")
+    write_demo_dataset(root, episode_lengths=LENGTHS,
+                       size={"observation.images.front": (32, 24),
+                             "observation.images.wrist": (48, 32)},
+                       episodes_per_video_file=4, episodes_per_data_file=3)
+    return root
+
+
+def _plain(root, workers: int, limit: int | None = None, state=None, **options) -> list:
+    dataset = StreamingDataset(root, batch_size=BATCH, **options)
+    if state is not None:
+        dataset.load_state_dict(state, num_workers=workers)
+    return list(islice(DataLoader(dataset, batch_size=BATCH, num_workers=workers), limit))
+
+
+def _ready(root, workers: int, limit: int | None = None, state=None, **options) -> list:
+    dataset = StreamingDataset(root, batch_size=BATCH, batched=True, **options)
+    if state is not None:
+        dataset.load_state_dict(state, num_workers=workers)
+    return list(islice(DataLoader(dataset, batch_size=None, num_workers=workers), limit))
+
+
+def assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for number, (batch, expected) in enumerate(zip(got, want, strict=True)):
+        assert isinstance(batch, Batch), number
+        assert list(batch) == list(expected), number
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert batch[key].dtype == value.dtype, (number, key)
+                assert batch[key].shape == value.shape, (number, key)
+                assert torch.equal(batch[key], value), (number, key)
+            else:
+                assert batch[key] == value, (number, key)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("return_uint8", [False, True])
+def test_ready_batches_are_the_dataloaders_batches(root, num_workers, return_uint8):
+    options = {"seed": 5, "delta_timestamps": WINDOWS, "episode_pool_size": 2,
+               "return_uint8": return_uint8}
+    want = _plain(root, num_workers, **options)
+    assert {len(b["index"]) for b in want} > {BATCH}  # short batches are part of the check
+    assert_same_batches(_ready(root, num_workers, **options), want)
+
+
+def test_ready_batches_cross_the_epoch_boundary_like_the_dataloaders(root):
+    options = {"seed": 2, "delta_timestamps": WINDOWS, "repeat": True, "episode_pool_size": 3,
+               "decode_threads": 3}
+    horizon = sum(LENGTHS) * 3 // 2 // BATCH  # past the end of epoch 0 on both workers
+    want = _plain(root, 2, horizon, **options)
+    assert_same_batches(_ready(root, 2, horizon, **options), want)
+    one_thread = _ready(root, 2, horizon, **{**options, "decode_threads": 1})
+    assert_same_batches(one_thread, want)
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_ready_batches_resume_mid_epoch_like_the_dataloaders(root, repeat):
+    options = {"seed": 7, "episode_pool_size": 2, "return_uint8": True, "repeat": repeat,
+               "delta_timestamps": WINDOWS}
+    horizon = 12 if repeat else None
+    full = _plain(root, 2, horizon, **options)
+    first = StreamingDataset(root, batch_size=BATCH, batched=True, **options)
+    before = list(islice(DataLoader(first, batch_size=None, num_workers=2), 3))
+    assert_same_batches(before, full[:3])
+    state = first.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2)
+    rest = _ready(root, 2, None if horizon is None else horizon - 3, state=state, **options)
+    assert_same_batches(rest, full[3:])
+    assert_same_batches(rest, _plain(root, 2, None if horizon is None else horizon - 3,
+                                     state=state, **options))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ready_batches_of_each_rank_end_with_the_dataloaders(root, rank):
+    options = {"seed": 3, "rank": rank, "world_size": 2, "return_uint8": True,
+               "num_workers": 2}
+    want = _plain(root, 2, **options)
+    got = _ready(root, 2, **options)
+    assert_same_batches(got, want)
+    ready = StreamingDataset(root, batch_size=BATCH, batched=True, **options)
+    assert len(ready) == len(got)  # batches, every rank the same number (SPEC §9.5)
+    assert len(StreamingDataset(root, batch_size=BATCH, **options)) == sum(
+        len(b["index"]) for b in want)
+
+
+def test_image_transforms_see_ready_batches_samples_in_order(root):
+    def options():
+        calls = []
+
+        def transform(frames):
+            calls.append(len(calls))
+            return frames * 0 + len(calls)
+
+        return {"seed": 4, "image_transforms": transform, "delta_timestamps": WINDOWS}
+
+    assert_same_batches(_ready(root, 0, **options()), _plain(root, 0, **options()))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_len_of_ready_batches_is_the_batches_of_an_epoch(root):
+    for workers in (1, 3):
+        yielded = len(_ready(root, workers))
+        for repeat in (False, True):  # an endless stream: the batches of each epoch's share
+            dataset = StreamingDataset(root, batch_size=BATCH, batched=True, repeat=repeat,
+                                       num_workers=workers)
+            assert len(dataset) == len(DataLoader(dataset, batch_size=None)) == yielded
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataloader_batching_ready_batches_is_refused(root, num_workers):
+    dataset = StreamingDataset(root, batch_size=BATCH, batched=True)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=num_workers)
+    with pytest.raises(UsageError, match="batch_size=None"):
+        next(iter(loader))
+    with pytest.raises(UsageError, match="batch_size=B"):
+        StreamingDataset(root, batched=True)
+    with pytest.raises(UsageError, match="num_workers=N"):
+        len(dataset)
+
+
+def test_a_held_batch_keeps_its_memory_and_a_dropped_one_is_reused(root):
+    options = {"seed": 6, "delta_timestamps": WINDOWS}
+    camera = "observation.images.front"
+    held = _ready(root, 0, **options)  # every batch kept: none may be written over
+    assert_same_batches(held, _plain(root, 0, **options))
+    assert len({b[camera].data_ptr() for b in held}) == len(held)
+    dataset = StreamingDataset(root, batch_size=BATCH, batched=True, **options)
+    addresses = []
+    for batch in DataLoader(dataset, batch_size=None):
+        addresses.append(batch[camera].data_ptr())
+        del batch
+    assert len(set(addresses)) <= 2 < len(addresses)  # dropped, then written again
+
+
+def test_a_lease_ends_when_the_receiving_process_drops_the_last_view():
+    buffers = SharedBuffers()
+    tensor, lease = buffers.take((2, 3), torch.float32)
+    tensor.copy_(torch.arange(6.0).reshape(2, 3))
+    # What the DataLoader's result queue does: pickle in the worker, unpickle in the trainer.
+    received = pickle.loads(ForkingPickler.dumps(_batch({"camera": tensor}, {"camera": lease})))
+    assert torch.equal(received["camera"], torch.arange(6.0).reshape(2, 3))
+    view = received["camera"][1:]
+    del received
+    gc.collect()
+    other, _ = buffers.take((2, 3), torch.float32)  # the first one is still viewed
+    assert other.data_ptr() != tensor.data_ptr()
+    del view
+    gc.collect()
+    again, _ = buffers.take((2, 3), torch.float32)
+    assert again.data_ptr() == tensor.data_ptr()
