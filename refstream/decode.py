@@ -7,33 +7,28 @@ Use::
     with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
         frames = decoder.frames(pts_ticks[chosen], np.float32)            # (T, 3, H, W)
         decoder.frames(pts_ticks[chosen], out=batch[i])                   # or into given memory
+    cache = DecoderCache(capacity)     # LRU keyed (episode, camera), for one thread at a time
+    cache.frames((3, "top"), mp4_bytes, pts_ticks, np.uint8, start_pts); cache.close()
 
-    cache = DecoderCache(capacity)          # bounded LRU keyed (episode, camera), one thread
-    cache.frames((3, "top"), make_bytes, pts_ticks, np.uint8, start_pts)
-    cache.discard((3, "top")); cache.close()
+``pts_ticks`` are source presentation times in ticks of the track's timescale; ``start_pts`` is
+the source pts of the video's local time 0 (a span's ``start_pts``, 0 for a whole file).
+:func:`select_frames` chooses the frame serving each time (the nearest of those
+:func:`refstream.synth.serving_samples` finds, ties to the earlier pts); a decoder then decodes
+exactly the frames asked, in any order and with repeats, each converted once into its place in
+the output: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's ``to_ndarray``) or ``float32`` RGB / 255
+(LeRobot's division).
 
-``pts_ticks`` are presentation times of the source file in ticks of its track's timescale, and
-``start_pts`` is the source pts that the video's local time 0 stands for: a span's ``start_pts``,
-0 for a whole file. :func:`select_frames` is the choice of the frame serving a time (the nearest
-of those :func:`refstream.synth.serving_samples` finds, ties to the earlier pts); the decoder
-then decodes exactly the frames asked for. Requests may repeat and come in any order; frames come
-in request order as ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's ``to_ndarray``) or ``float32``
-RGB / 255 (LeRobot's division), each written once into its place in the output.
-``make_bytes`` may be the bytes or a callable producing them on the key's first use;
-``decoded_frames`` counts the frames decoders produced.
-
-Invariants: this is the only module that imports PyAV. A decoder uses one FFmpeg thread and one
-``rgb24`` converter; each call seeks once (a few more times when a seek lands past the first frame
-asked, as with B-frames) and decodes forward, converting only the frames asked. PyAV errors
-become :class:`DecodeError` with the cause chained; a time no frame serves is
-:class:`FrameNotFound` naming the label (episode and camera) and the time.
+Invariants: the only module that imports PyAV. A decoder uses one FFmpeg thread and one ``rgb24``
+converter; a call seeks once (more when a seek lands past the first frame asked, as with
+B-frames) and decodes forward. PyAV errors become :class:`DecodeError` with the cause chained; a
+time no frame serves is :class:`FrameNotFound` naming the label (episode and camera) and time.
 """
 
 from __future__ import annotations
 
 import io
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 
 import av
 import numpy as np
@@ -44,7 +39,6 @@ from refstream.synth import serving_samples
 
 __all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
 
-
 PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 
 
@@ -52,9 +46,7 @@ class EpisodeDecoder:
     """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
 
     def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0) -> None:
-        self.label = label
-        self.start_pts = start_pts
-        self._bytes = mp4_bytes
+        self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self._container = self._open()
         self._converter = VideoReformatter()
         self.decoded_frames = 0
@@ -95,42 +87,38 @@ class EpisodeDecoder:
 
     def frames(self, pts_ticks: Sequence[int] | np.ndarray, dtype: np.dtype | type = np.uint8,
                out: np.ndarray | None = None) -> np.ndarray:
-        """``(T, 3, H, W)`` frames presented at source ``pts_ticks`` (request order) as ``uint8``
-        RGB or ``float32`` RGB / 255, written into ``out`` when given (its dtype then rules)."""
+        """``(T, 3, H, W)`` frames presented at source ``pts_ticks`` (request order), written
+        into ``out`` when given (whose dtype then rules)."""
         wanted = [int(p) - self.start_pts for p in pts_ticks]  # local ticks
         shape = (len(wanted), 3, self.height, self.width)
-        if out is None:
-            if np.dtype(dtype) not in PIXEL_DTYPES:
-                raise UsageError(f"{self.label}: frames come as uint8 or float32, not {dtype}")
-            out = np.empty(shape, dtype)
-        elif out.shape != shape or out.dtype not in PIXEL_DTYPES:
+        if out is None and np.dtype(dtype) not in PIXEL_DTYPES:
+            raise UsageError(f"{self.label}: frames come as uint8 or float32, not {dtype}")
+        out = np.empty(shape, dtype) if out is None else out
+        if out.shape != shape or out.dtype not in PIXEL_DTYPES:
             raise DecodeError(f"{self.label}: frames are {shape} but the output is {out.dtype} "
                               f"{out.shape}: every video of a camera needs one size")
-        if not wanted:
-            return out
-        decoded = self._decode(min(wanted), max(wanted), set(wanted))
+        decoded = self._decode(min(wanted), max(wanted), set(wanted)) if wanted else {}
         first_request: dict[int, int] = {}
         for i, local in enumerate(wanted):
             if local in first_request:
                 out[i] = out[first_request[local]]
-                continue
-            if local not in decoded:
+            elif local not in decoded:
                 raise DecodeError(f"{self.label}: the decoder presents no frame at source pts "
                                   f"{local + self.start_pts}")
-            first_request[local] = i
-            rgb = self._rgb(decoded[local]).transpose(2, 0, 1)
-            if out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded, in place
-                np.divide(rgb, np.float32(255), out=out[i])
+            elif out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded
+                np.divide(self._rgb(decoded[local]), np.float32(255), out=out[i])
             else:
-                out[i] = rgb
+                out[i] = self._rgb(decoded[local])
+            first_request.setdefault(local, i)
         return out
 
     def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
-        """``(H, W, 3)`` uint8: FFmpeg's rgb24 conversion, as ``to_ndarray(format="rgb24")``."""
+        """``(3, H, W)`` uint8: FFmpeg's rgb24 conversion, as ``to_ndarray(format="rgb24")``."""
         try:
-            return self._converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
+            rgb = self._converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
         except av.FFmpegError as exc:
             raise DecodeError(f"{self.label}: PyAV cannot convert a frame to RGB: {exc}") from exc
+        return rgb.transpose(2, 0, 1)
 
     def _decode(self, first: int, last: int, wanted: set[int]) -> dict[int, av.VideoFrame]:
         """The decoded frames of ``wanted`` (local ticks, ``first`` to ``last``), keyed by pts."""
@@ -198,29 +186,26 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 
 class DecoderCache:
-    """Bounded LRU of ``EpisodeDecoder``s keyed ``(episode, camera)``, used by one thread at a
-    time (a worker gives each decode thread its own)."""
+    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least
+    recently used closed first; for one thread at a time (a worker gives each decode thread
+    its own). ``decoded_frames`` counts the frames its decoders produced."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise UsageError(f"decoder cache capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._decoders: OrderedDict[Hashable, EpisodeDecoder] | None = OrderedDict()
-        self.decoded_frames = 0
+        self.capacity, self.decoded_frames = capacity, 0
+        self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._decoders or ())
+        return len(self._decoders)
 
-    def frames(self, key: tuple[int, str], mp4_bytes: bytes | Callable[[], bytes],
-               pts_ticks: Sequence[int] | np.ndarray, dtype: np.dtype | type = np.uint8,
-               start_pts: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-        """Frames of ``key``'s video presented at ``pts_ticks`` (see ``EpisodeDecoder``)."""
-        if self._decoders is None:
-            raise UsageError("the decoder cache is closed")
+    def frames(self, key: tuple[int, str], mp4_bytes: bytes, pts_ticks: Sequence[int],
+               dtype: np.dtype | type = np.uint8, start_pts: int = 0,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Frames of ``key``'s video (``mp4_bytes``) presented at ``pts_ticks``."""
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            data = mp4_bytes() if callable(mp4_bytes) else mp4_bytes
-            decoder = EpisodeDecoder(data, f"episode {key[0]} camera {key[1]}", start_pts)
+            decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts)
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()
@@ -230,13 +215,12 @@ class DecoderCache:
         finally:
             self.decoded_frames += decoder.decoded_frames - before
 
-    def discard(self, key: Hashable) -> None:
+    def discard(self, key: tuple[int, str]) -> None:
         """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""
-        decoder = (self._decoders or {}).pop(key, None)
+        decoder = self._decoders.pop(key, None)
         if decoder is not None:
             decoder.close()
 
     def close(self) -> None:
-        for decoder in (self._decoders or {}).values():
-            decoder.close()
-        self._decoders = None
+        while self._decoders:
+            self._decoders.popitem()[1].close()

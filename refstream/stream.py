@@ -1,8 +1,7 @@
 """``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader,
 as SPEC §9 states.
 
-Use (ready batches, the fast path; ``batched=False`` and ``DataLoader(dataset, batch_size=B)``
-give the same batches, collated by the DataLoader)::
+Use (ready batches: the fastest path, see below)::
 
     dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0,
                                batch_size=B, batched=True)
@@ -12,38 +11,27 @@ give the same batches, collated by the DataLoader)::
         for batch in loader: ...
 
 A sample equals LeRobot's map-style ``LeRobotDataset[i]`` for the same frame, key for key and
-dtype for dtype (SPEC §9.1). A worker yields its share's samples in the order of SPEC §9.2,
-each episode reserved whole at its exact synthesized size before any of its bytes is fetched
-(SPEC §9.3); with ``batched`` it yields them ``batch_size`` at a time as :class:`Batch`es, each
-one what the DataLoader's default collation makes of those samples, the last one of a worker's
-stream possibly short. A DataLoader with a batch size refuses them (UsageError).
+dtype for dtype (SPEC §9.1). A worker yields its share's samples in the order of SPEC §9.2, each
+episode reserved whole at its exact synthesized size before any of its bytes is fetched (SPEC
+§9.3). Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates them; with it, each
+worker yields its samples ``batch_size`` at a time as the same batches, decoded straight into
+shared memory the training process receives as handles (``refstream.worker``); a DataLoader
+that batches those again is refused (UsageError).
 
 Resume (SPEC §9.4): ``state_dict(samples=steps * B, batch_size=B, num_workers=N)``, ``steps``
 counting the batches consumed since the position was set, is a checkpoint; ``load_state_dict``
 before ``iter(loader)`` continues from it, also with another world size, worker count or batch
-size (SPEC §3.9: it replays the old ranks to find what they delivered, ``resume.delivered_by``,
-and the workers plan the rest, ``resume.Course``)::
+size (SPEC §3.9: ``resume.delivered_by`` replays the old ranks, ``resume.Course`` plans the
+rest). With ``world_size > 1`` and no ``repeat``, every rank stops after the same number of
+batches of ``batch_size`` (SPEC §9.5), so DDP does not hang.
 
-    dataset = StreamingDataset(root, repeat=True, seed=seed, batch_size=B, batched=True)
-    loader = DataLoader(dataset, batch_size=None, num_workers=N)
-    if checkpoint is not None:
-        dataset.load_state_dict(checkpoint["data"], num_workers=N)
-    for steps, batch in enumerate(loader, start=1):
-        ...                                                  # train on the batch
-        if steps % save_every == 0:
-            save({"data": dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)})
-
-With ``world_size > 1`` and no ``repeat``, give ``batch_size``: every rank then stops after the
-same number of batches (SPEC §9.5), so DDP does not hang.
-
-Where things happen. ``__init__`` (the main process) reads the metadata, selects episodes, checks
-the windows, resolves the rank (arguments, else an initialised ``torch.distributed``, else
-``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the sidecar index exists. Each DataLoader
-worker places itself (``resume.Course``) and runs a :class:`refstream.worker.WorkerStream`. The
-position lives in shared memory, so persistent workers see it. Every resource (threads, budget,
-decoders, connections) is closed when the generator ends, fails or is closed early, and an
-exception in any thread reaches the consumer with its cause chained.
+``__init__`` (the main process) reads the metadata, selects episodes, checks the windows,
+resolves the rank (arguments, else an initialised ``torch.distributed``, else
+``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the sidecar index exists; each DataLoader
+worker places itself and runs a :class:`refstream.worker.WorkerStream`. The position lives in
+shared memory, so persistent workers see it.
 """
+
 
 from __future__ import annotations
 
@@ -141,8 +129,9 @@ class StreamingDataset(IterableDataset):
         sidecar_lock_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
-        _check_settings(sampling_strategy, prefetch_episodes, byte_budget_gb,
-                        decode_threads, decoded_queue_size, batch_size, num_workers)
+        _check_settings(sampling_strategy, byte_budget_gb, prefetch_episodes=prefetch_episodes,
+                        decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
+                        batch_size=batch_size, num_workers=num_workers)
         self.root = str(root)
         self.tolerance_s = float(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -329,17 +318,12 @@ class StreamingDataset(IterableDataset):
             raise TopologyChanged(
                 f"batch size {batch_size} differs from the dataset's batch_size {self.batch_size}"
             )
-        return ResumeSetup(
-            seed=self.seed,
-            strategy=self.sampling_strategy,
-            pool_size=self.episode_pool_size,
-            byte_budget=self.byte_budget if self.meta.camera_keys else None,
-            world_size=self.world_size,
-            num_workers=num_workers,
-            batch_size=batch_size,
-            repeat=self.repeat,
-            selection=selection_digest(self.episodes, self._frames),
-        )
+        order = self._order()
+        return ResumeSetup(seed=self.seed, strategy=self.sampling_strategy,
+                           pool_size=self.episode_pool_size, byte_budget=order.byte_budget,
+                           world_size=self.world_size, num_workers=num_workers,
+                           batch_size=batch_size, repeat=self.repeat,
+                           selection=selection_digest(self.episodes, self._frames))
 
     # --- iteration ----------------------------------------------------------------------------
 
@@ -450,19 +434,12 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _check_settings(strategy, prefetch_episodes, byte_budget_gb, decode_threads,
-                    decoded_queue_size, batch_size, num_workers) -> None:
+def _check_settings(strategy: str, byte_budget_gb: float, **counts: int | None) -> None:
     if strategy not in STRATEGIES:
         raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if prefetch_episodes < 0:
-        raise UsageError(f"prefetch_episodes must be non-negative, got {prefetch_episodes}")
     if not byte_budget_gb > 0:
         raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-    if decode_threads < 1:
-        raise UsageError(f"decode_threads must be positive, got {decode_threads}")
-    if decoded_queue_size < 1:
-        raise UsageError(f"decoded_queue_size must be positive, got {decoded_queue_size}")
-    if batch_size is not None and batch_size < 1:
-        raise UsageError(f"batch_size must be positive, got {batch_size}")
-    if num_workers is not None and num_workers < 0:
-        raise UsageError(f"num_workers must be non-negative, got {num_workers}")
+    least = {"prefetch_episodes": 0, "num_workers": 0}  # the others at least 1
+    for name, value in counts.items():
+        if value is not None and value < least.get(name, 1):
+            raise UsageError(f"{name} must be at least {least.get(name, 1)}, got {value}")

@@ -31,13 +31,8 @@ from refstream.errors import RefstreamError, TableError, UsageError
 from refstream.meta import column_array
 from refstream.source import RangeFile, Source
 
-__all__ = [
-    "Footers",
-    "read_episode_rows",
-    "candidate_row_groups",
-    "EPISODE_COLUMN",
-    "FRAME_COLUMN",
-]
+__all__ = ["Footers", "read_episode_rows", "candidate_row_groups", "EPISODE_COLUMN",
+           "FRAME_COLUMN", "INDEX_COLUMN"]
 
 EPISODE_COLUMN = "episode_index"
 FRAME_COLUMN = "frame_index"
@@ -51,34 +46,26 @@ FOOTER_TAIL_BYTES = 64 * 1024
 
 class Footers:
     """Each data file's size, tail and Parquet footer, read once (one ``read_tail``) and reused
-    for every episode in it (the tail is at most 64 KiB per file a worker touches). Safe to share
-    between threads: a thread that needs a footer another thread is reading waits for it."""
+    for every episode in it (the tail is at most 64 KiB per file a worker touches). Threads
+    share it: one reads a footer while the others wait."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
-        self._locks: dict[str, threading.Lock] = {}  # one per file, held while its tail is read
-        self._lock = threading.Lock()  # guards _locks
+        self._lock = threading.Lock()
 
     def open(self, source: Source, relpath: str) -> pq.ParquetFile:
         with self._lock:
-            file_lock = self._locks.setdefault(relpath, threading.Lock())
-        with file_lock:
-            known = self._known.get(relpath)
-            if known is None:
+            if relpath not in self._known:
                 tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
-                parquet = pq.ParquetFile(RangeFile(source, relpath, size, tail))
-                self._known[relpath] = (size, tail, parquet.metadata)
-                return parquet
-        size, tail, metadata = known
+                metadata = pq.ParquetFile(RangeFile(source, relpath, size, tail)).metadata
+                self._known[relpath] = (size, tail, metadata)
+        size, tail, metadata = self._known[relpath]
         return pq.ParquetFile(RangeFile(source, relpath, size, tail), metadata=metadata)
 
 
 def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:
-    """Indices of the row groups that may hold ``episode``.
-
-    ``stats[i]`` is ``(min, max)`` of group ``i``'s ``episode_index`` column, or None when the
-    group has no usable statistics (such a group is always a candidate).
-    """
+    """Indices of the row groups that may hold ``episode``: ``stats[i]`` is ``(min, max)`` of
+    group ``i``'s ``episode_index``, or None (no usable statistics: always a candidate)."""
     return [i for i, s in enumerate(stats) if s is None or s[0] <= episode <= s[1]]
 
 

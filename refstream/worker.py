@@ -84,36 +84,33 @@ class _Episode:
 
 @dataclass
 class _Group:
-    """Samples made together: anchors, row values, frame requests, and where frames go."""
+    """Samples made together: their anchors, row values and frame requests, and the tensors
+    (``size`` samples each) their frames are decoded into."""
 
-    size: int  # samples in a full group
-    shared: bool  # frames decoded into shared tensors of ``size`` samples, else one array each
+    frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
+    leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
     anchors: list[tuple[int, int]] = field(default_factory=list)
     values: dict[str, list] = field(default_factory=dict)  # key -> one value per sample
     requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
-    frames: dict[str, list | torch.Tensor] = field(default_factory=dict)  # camera -> frames
-    leases: dict[str, tuple] = field(default_factory=dict)  # camera -> (flags, cell)
     done: int = 0  # anchors gathered and decoded
 
 
 class Batch(dict):
     """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
     default collation stacks them. Pickled in a worker, it carries handles to its shared camera
-    tensors; the process that receives it frees each buffer once it drops that tensor."""
+    tensors (``leases``); the process that receives it frees each buffer once it drops it."""
 
     __slots__ = ("leases",)
 
+    def __init__(self, values=(), leases: dict | None = None) -> None:
+        super().__init__(values)
+        self.leases = leases or {}
+
     def __copy__(self) -> Batch:  # the DataLoader's default_convert and pin_memory copy it
-        return _batch(self, getattr(self, "leases", {}))
+        return Batch(self, self.leases)
 
     def __reduce__(self):
-        return _received, (dict(self), getattr(self, "leases", {}))
-
-
-def _batch(values: dict, leases: dict) -> Batch:
-    batch = Batch(values)
-    batch.leases = leases
-    return batch
+        return _received, (dict(self), self.leases)
 
 
 def _received(values: dict, leases: dict) -> Batch:
@@ -123,7 +120,7 @@ def _received(values: dict, leases: dict) -> Batch:
         array = values[key].numpy()
         weakref.finalize(array, flags.__setitem__, cell, 0).atexit = False
         values[key] = torch.from_numpy(array)
-    return _batch(values, {})
+    return Batch(values)
 
 
 class SharedBuffers:
@@ -174,6 +171,7 @@ class WorkerStream:
         self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
                          for _ in range(threads)]
         self.fetch_pool = self.decode_pool = self.budget = self.byte_sizes = self.buffers = None
+        self.frame_sizes: dict[str, tuple[int, int]] = {}
         self.payloads: dict[int, Future[_Episode]] = {}
         self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
@@ -202,6 +200,8 @@ class WorkerStream:
                 self.source.expect_identity(relpath, record.identity)
         self.spans = {e: synth.episode_spans(self.meta, e, self.index, self.ds.tolerance_s)
                       for e in share}
+        self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
+                            for camera, (index, _) in self.spans[share[0]].items()}
         self.byte_sizes = {e: sum(synth.synthesized_size(*pair) for pair in spans.values())
                            for e, spans in self.spans.items()}
 
@@ -212,7 +212,7 @@ class WorkerStream:
         """Samples (``batched``: Batches of ``group`` samples, the last one possibly short) of
         the runs' anchors in order; ``in_worker``: batches go to another process."""
         shared = batched and self.ds.image_transforms is None
-        made = _Group(group, shared)
+        made = self._group(group, shared)
         for anchor in self._anchors(runs):
             if anchor is not None:
                 made.anchors.append(anchor)
@@ -221,10 +221,24 @@ class WorkerStream:
             self._decode(made)
             if len(made.anchors) == group:
                 yield from self._emit(made, batched, in_worker)
-                made = _Group(group, shared)
+                made = self._group(group, shared)
         if made.anchors:
             self._decode(made)
             yield from self._emit(made, batched, in_worker)
+
+    def _group(self, size: int, shared: bool) -> _Group:
+        """An empty group whose frames go to tensors sized by the video index: shared ones to
+        be used again when ``shared``, else new memory."""
+        frames, leases = {}, {}
+        for camera, (height, width) in self.frame_sizes.items():
+            shape = (size, len(self.offsets.get(camera, [0])), 3, height, width)
+            if not shared:
+                frames[camera] = torch.empty(shape, dtype=self.torch_dtype)
+                continue
+            self.buffers = self.buffers or SharedBuffers()
+            frames[camera], lease = self.buffers.take(shape, self.torch_dtype)
+            leases.update({camera: lease} if lease else {})
+        return _Group(frames, leases)
 
     def _anchors(self, runs) -> Iterator[tuple[int, int] | None]:
         """Every run's anchors in order, each after its episode's admission; None when the
@@ -285,68 +299,45 @@ class WorkerStream:
         length = self.ds._frames_of[episode]
         add = made.values.setdefault
         for key in self.columns + self.cameras:
-            offsets = self.offsets.get(key)
             rows = frame
-            if offsets is not None:
-                rows, pad = window_rows(offsets, frame, length)
+            if key in self.offsets:
+                rows, pad = window_rows(self.offsets[key], frame, length)
                 add(f"{key}_is_pad", []).append(pad)
             if key in data.rows:
                 add(key, []).append(data.rows[key][rows])
-                continue
-            rows = np.atleast_1d(rows)
-            if key not in made.frames:
-                made.frames[key] = self._frames_out(made, key, episode, len(rows))
-            video = data.videos[key]
-            made.requests.append((slot, episode, key, video, video.serving_pts[rows]))
+            else:
+                video = data.videos[key]
+                pts = video.serving_pts[np.atleast_1d(rows)]
+                made.requests.append((slot, episode, key, video, pts))
         add("task", []).append(self.meta.tasks[int(data.rows["task_index"][frame])])
-
-    def _frames_out(self, made: _Group, camera: str, episode: int,
-                    frames: int) -> list | torch.Tensor:
-        """Where the group's frames of ``camera`` go: a shared tensor of the group's samples
-        sized by the video index, or a list for one array per sample."""
-        if not made.shared:
-            return [None] * made.size
-        index = self.spans[episode][camera][0]
-        self.buffers = self.buffers or SharedBuffers()
-        tensor, lease = self.buffers.take((made.size, frames, 3, index.height, index.width),
-                                          self.torch_dtype)
-        made.leases.update({camera: lease} if lease else {})
-        return tensor
 
     def _decode_part(self, made: _Group, requests: list[tuple], decoders: DecoderCache) -> None:
         for slot, episode, camera, video, pts in requests:
-            out = made.frames[camera]
-            array = None if isinstance(out, list) else out[slot].numpy()
-            frames = decoders.frames((episode, camera), video.mp4, pts, self.dtype,
-                                     video.start_pts, array)
-            if array is None:
-                out[slot] = torch.from_numpy(frames)
+            decoders.frames((episode, camera), video.mp4, pts, self.dtype, video.start_pts,
+                            made.frames[camera][slot].numpy())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
         count = len(made.anchors)
         values = {key: hf_to_torch(np.stack(v)) for key, v in made.values.items()}
-        frames = {camera: out[:count] for camera, out in made.frames.items()}
-        for camera, out in frames.items():  # LeRobot's squeeze(0) of a one-frame window
-            if camera not in self.offsets:
-                frames[camera] = out[:, 0] if made.shared else [f[0] for f in out]
-        transforms = self.ds.image_transforms
-        if transforms is not None:
+        for camera, frames in made.frames.items():  # one-frame windows: LeRobot's squeeze(0)
+            values[camera] = frames[:count] if camera in self.offsets else frames[:count, 0]
+        if self.ds.image_transforms is not None:
+            for camera in self.cameras:
+                values[camera] = list(values[camera])
             for i in range(count):
-                for out in frames.values():
-                    out[i] = transforms(out[i])
+                for camera in self.cameras:
+                    values[camera][i] = self.ds.image_transforms(values[camera][i])
         self.samples += count
         if time.monotonic() - self._published_at >= STATS_INTERVAL_S:
             self._publish()
         if not batched:
             for i in range(count):
-                yield {k: frames[k][i] if k in frames else values[k][i] for k in self.keys}
+                yield {key: values[key][i] for key in self.keys}
             return
-        batch = {k: frames[k] if k in frames else values[k] for k in self.keys}
-        for key, value in batch.items():
-            if not isinstance(value, torch.Tensor):
-                batch[key] = default_collate(value)
-        yield _batch(batch, made.leases) if in_worker else _received(batch, made.leases)
+        batch = {key: values[key] if isinstance(values[key], torch.Tensor)
+                 else default_collate(values[key]) for key in self.keys}
+        yield Batch(batch, made.leases) if in_worker else _received(batch, made.leases)
 
     def _publish(self) -> None:
         """Write this worker's counters into the dataset's shared stats row."""

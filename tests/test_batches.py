@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from refstream.errors import UsageError
 from refstream.stream import Batch, StreamingDataset
 from refstream.tools.demo import write_demo_dataset
-from refstream.worker import SharedBuffers, _batch
+from refstream.worker import SharedBuffers
 
 FPS = 30
 LENGTHS = (5, 8, 3, 7, 6, 4, 9)  # 42 frames: batches of 4 leave short ones on every worker
@@ -184,7 +184,7 @@ def test_a_lease_ends_when_the_receiving_process_drops_the_last_view():
     tensor, lease = buffers.take((2, 3), torch.float32)
     tensor.copy_(torch.arange(6.0).reshape(2, 3))
     # What the DataLoader's result queue does: pickle in the worker, unpickle in the trainer.
-    received = pickle.loads(ForkingPickler.dumps(_batch({"camera": tensor}, {"camera": lease})))
+    received = pickle.loads(ForkingPickler.dumps(Batch({"camera": tensor}, {"camera": lease})))
     assert torch.equal(received["camera"], torch.arange(6.0).reshape(2, 3))
     view = received["camera"][1:]
     del received

@@ -13,6 +13,7 @@ import torch
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
+from refstream import decode
 from refstream.decode import DecoderCache, EpisodeDecoder, select_frames
 from refstream.errors import DecodeError, FrameNotFound, UsageError
 from refstream.mp4 import parse_index_bytes
@@ -218,34 +219,37 @@ def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
 
 # --- the decoder cache ---------------------------------------------------------------------
 
-def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos):
+def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos, monkeypatch):
     data, oracle = videos["av1"]
-    opened = []
+    opened, closed = [], []
 
-    def bytes_for(key):
-        def produce():
-            opened.append(key)
-            return data
-        return produce
+    class Recorded(EpisodeDecoder):
+        def __init__(self, mp4_bytes, label, start_pts=0):
+            opened.append(label)
+            super().__init__(mp4_bytes, label, start_pts)
 
+        def close(self):
+            closed.append(self.label)
+            super().close()
+
+    monkeypatch.setattr(decode, "EpisodeDecoder", Recorded)
     cache = DecoderCache(capacity=2)
     for key in [(0, "a"), (1, "a"), (0, "a"), (2, "a")]:  # (1, "a") is least recent at the end
-        cache.frames(key, bytes_for(key), [0])
+        cache.frames(key, data, [0])
         assert len(cache) <= 2
-    assert opened == [(0, "a"), (1, "a"), (2, "a")]  # a hit does not reopen
-    frames = cache.frames((1, "a"), bytes_for((1, "a")), [0])  # reopened after eviction
-    assert opened[-1] == (1, "a")
+    names = ["episode 0 camera a", "episode 1 camera a", "episode 2 camera a"]
+    assert opened == names and closed == names[1:2]  # a hit does not reopen
+    frames = cache.frames((1, "a"), data, [0])  # reopened after eviction
+    assert opened[-1] == "episode 1 camera a" and closed[-1] == "episode 0 camera a"
     np.testing.assert_array_equal(frames[0], chw(oracle[min(oracle)]))
-    cache.frames((2, "a"), bytes_for((2, "a")), [0])  # kept: (0, "a") went instead
-    assert opened[3:] == [(1, "a")]
+    cache.frames((2, "a"), data, [0])  # kept: (0, "a") went instead
+    assert len(opened) == 4
     cache.discard((1, "a"))
-    assert len(cache) == 1
-    cache.frames((1, "a"), bytes_for((1, "a")), [0])  # discarded: opened again
-    assert opened[3:] == [(1, "a"), (1, "a")]
+    assert len(cache) == 1 and closed[-1] == "episode 1 camera a"
+    cache.frames((1, "a"), data, [0])  # discarded: opened again
+    assert opened[4:] == ["episode 1 camera a"]
     cache.close()
-    assert len(cache) == 0
-    with pytest.raises(UsageError):
-        cache.frames((0, "a"), data, [0])
+    assert len(cache) == 0 and sorted(closed[-2:]) == ["episode 1 camera a", "episode 2 camera a"]
 
 
 # --- conformance cases ---------------------------------------------------------------------

@@ -45,6 +45,7 @@ from rangeserver import Faults, RangeServer, second_loopback_host
 from torch.utils.data import DataLoader
 
 import refstream.stream
+import refstream.worker
 from refstream import errors
 from refstream.http import RetryPolicy
 from refstream.source import open_source
@@ -216,6 +217,7 @@ class Recorder:
 def sources(monkeypatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(refstream.stream, "open_source", recorder.open)
+    monkeypatch.setattr(refstream.worker, "open_source", recorder.open)
     return recorder
 
 
