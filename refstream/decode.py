@@ -188,12 +188,12 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 class DecoderCache:
     """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least
     recently used closed first; for one thread at a time (a worker gives each decode thread
-    its own). ``decoded_frames`` counts the frames its decoders produced."""
+    its own)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise UsageError(f"decoder cache capacity must be >= 1, got {capacity}")
-        self.capacity, self.decoded_frames = capacity, 0
+        self.capacity = capacity
         self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
 
     def __len__(self) -> int:
@@ -209,11 +209,7 @@ class DecoderCache:
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()
-        before = decoder.decoded_frames
-        try:
-            return decoder.frames(pts_ticks, dtype, out)
-        finally:
-            self.decoded_frames += decoder.decoded_frames - before
+        return decoder.frames(pts_ticks, dtype, out)
 
     def discard(self, key: tuple[int, str]) -> None:
         """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""

@@ -64,7 +64,7 @@ from refstream.sidecar import VideoIndex, ensure_index, lock_timeout, video_relp
 from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.windows import make_windows
-from refstream.worker import STAT_FIELDS, Batch, WorkerStream
+from refstream.worker import Batch, WorkerStream
 
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
@@ -72,8 +72,6 @@ GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Layout of the shared position tensor (int64): where every new iterator starts, with which
 # seed (its 64 bits), and the digest of the earlier topologies it resumes after (0: none).
 _EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS, _SEED, _HISTORY = range(6)
-# Workers with an id beyond this stream normally but publish no counters.
-MAX_TRACKED_WORKERS = 64
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -184,8 +182,6 @@ class StreamingDataset(IterableDataset):
         self._history: tuple[Segment, ...] = ()
         self._delivered: Delivered | None = None
         self.set_epoch(0)
-        self._stats = torch.zeros((MAX_TRACKED_WORKERS, len(STAT_FIELDS)),
-                                  dtype=torch.int64).share_memory_()
 
     # --- what the dataset is, in LeRobotDataset's names ---------------------------------------
 
@@ -245,15 +241,6 @@ class StreamingDataset(IterableDataset):
             return selection_stats(source, self.meta, self.episodes)
         finally:
             source.close()
-
-    def worker_stats(self) -> list[dict[str, int]]:
-        """Counters of each DataLoader worker of the current or last iteration (worker id
-        order; with ``num_workers=0`` the one entry is the main process). ``samples`` counts
-        samples yielded, ``peak_reserved_bytes`` the byte budget's high-water mark,
-        ``fetch_*`` the source's requests and bytes since the worker started, and
-        ``decoded_frames`` the video frames decoded (not only those delivered)."""
-        rows = self._stats.tolist()
-        return [dict(zip(STAT_FIELDS, row, strict=True)) for row in rows if row[0] or row[1]]
 
     # --- position: epochs and resume ----------------------------------------------------------
 
@@ -338,7 +325,7 @@ class StreamingDataset(IterableDataset):
         """Each episode's exact byte size, computed as a worker computes its share's."""
         limits = shard.split_limits(1, pool_size=None, byte_budget=self.byte_budget,
                                     decoder_cache=None, cameras=len(self.meta.camera_keys))
-        worker = WorkerStream(self, episodes, limits, None)
+        worker = WorkerStream(self, episodes, limits)
         try:
             return dict(worker.byte_sizes)
         finally:
@@ -369,19 +356,16 @@ class StreamingDataset(IterableDataset):
                         self.world_size, num_workers, resume_batch or self.batch_size or 1)
         positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
-        if worker < MAX_TRACKED_WORKERS:
-            self._stats[worker].zero_()
         limits = shard.split_limits(
             num_workers, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
-        stats = self._stats[worker] if worker < MAX_TRACKED_WORKERS else None
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         ordinary = course.delivered.first + len(course.delivered.counts)
         episodes = set(course.share(self.rank, logical, ordinary))
         for later in range(epoch, ordinary):  # the rest of epochs in progress
             episodes.update(course.share(self.rank, logical, later))
-        stream = WorkerStream(self, sorted(episodes), limits, stats)
+        stream = WorkerStream(self, sorted(episodes), limits)
 
         def runs():  # (planner, offset, stop) of each epoch the worker plays
             for at in itertools.count(epoch) if self.repeat else [epoch]:

@@ -3,7 +3,7 @@ its samples (or ready batches) yielded in planner order (SPEC §9.2, §9.3).
 
 Use (``StreamingDataset`` does this in each worker)::
 
-    worker = WorkerStream(dataset, share, limits, stats_row)   # plans spans and byte sizes
+    worker = WorkerStream(dataset, share, limits)   # plans spans and byte sizes
     try:
         yield from worker.stream(runs, group=B, batched=True, in_worker=True)
     finally:
@@ -27,7 +27,6 @@ worker writes into it again only once that process has dropped it.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -49,17 +48,11 @@ from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 
-__all__ = ["WorkerStream", "Batch", "SharedBuffers", "hf_to_torch", "STAT_FIELDS"]
+__all__ = ["WorkerStream", "Batch", "SharedBuffers", "hf_to_torch"]
 
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
 MAX_FETCH_THREADS = 4
-# Counters every worker publishes in shared memory (for the demo, benches and tests).
-STAT_FIELDS = ("samples", "budget_bytes", "peak_reserved_bytes", "reserved_bytes", "evictions",
-               "fetch_requests", "fetch_bytes", "decoded_frames")
-# Counters are published at most this often while streaming (each publish costs ~0.2 ms), and
-# always when the worker's stream ends.
-STATS_INTERVAL_S = 0.05
 # Shared camera tensors a worker keeps for reuse; past this many (a consumer holding hundreds
 # of batches) a batch gets memory that is not used again.
 MAX_SHARED_BUFFERS = 1024
@@ -151,10 +144,8 @@ class SharedBuffers:
 class WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
 
-    def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits,
-                 stats: torch.Tensor | None) -> None:
-        self.ds, self.meta, self.stats = dataset, dataset.meta, stats
-        self.samples, self._published_at = 0, float("-inf")
+    def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits) -> None:
+        self.ds, self.meta = dataset, dataset.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
         self.offsets = dataset.windows.offsets
         self.keys = []  # a sample's keys, in the order of LeRobot's items
@@ -328,9 +319,6 @@ class WorkerStream:
             for i in range(count):
                 for camera in self.cameras:
                     values[camera][i] = self.ds.image_transforms(values[camera][i])
-        self.samples += count
-        if time.monotonic() - self._published_at >= STATS_INTERVAL_S:
-            self._publish()
         if not batched:
             for i in range(count):
                 yield {key: values[key][i] for key in self.keys}
@@ -338,19 +326,6 @@ class WorkerStream:
         batch = {key: values[key] if isinstance(values[key], torch.Tensor)
                  else default_collate(values[key]) for key in self.keys}
         yield Batch(batch, made.leases) if in_worker else _received(batch, made.leases)
-
-    def _publish(self) -> None:
-        """Write this worker's counters into the dataset's shared stats row."""
-        if self.stats is None:
-            return
-        self._published_at = time.monotonic()
-        fetched = self.source.stats()
-        budget = self.budget.snapshot() if self.budget is not None else None
-        # In STAT_FIELDS order; the budget's counters are its snapshot's fields of their names.
-        counters = [self.samples, *(getattr(budget, name, 0) for name in STAT_FIELDS[1:5]),
-                    fetched["requests"], fetched["bytes"],
-                    sum(d.decoded_frames for d in self.decoders)]
-        self.stats.copy_(torch.tensor(counters))
 
     # --- admission, prefetch and release ------------------------------------------------------
 
@@ -456,7 +431,6 @@ class WorkerStream:
         return videos
 
     def close(self) -> None:
-        self._publish()
         if self.budget is not None:
             self.budget.close()
         for pool in (self.fetch_pool, self.decode_pool):

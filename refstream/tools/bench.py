@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -52,13 +53,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from refstream import shard, synth
+from refstream import decode, shard, synth
 from refstream.errors import UsageError
 from refstream.meta import DatasetMeta, index_column, load_meta
 from refstream.planner import Planner
@@ -339,6 +341,22 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
+# Frames decoded by refstream's decoders, in every process: CountedDecoder adds its count when
+# it closes (a worker closes every decoder by the end of its epoch).
+DECODED = multiprocessing.Value("q", 0)
+
+
+class CountedDecoder(decode.EpisodeDecoder):
+    """refstream's decoder, counting into :data:`DECODED` (installed by :func:`run_bench`; the
+    DataLoader's workers fork with it)."""
+
+    def close(self) -> None:
+        with DECODED.get_lock():
+            DECODED.value += self.decoded_frames
+        self.decoded_frames = 0
+        super().close()
+
+
 class TimedCollate:
     """A DataLoader ``collate_fn`` that adds the CPU time of each call to its worker's slot of
     a shared tensor (slot 0 without workers)."""
@@ -367,8 +385,7 @@ class Pass:
     cpu_s: float  # user + system of this process and its reaped children over the whole pass
     peak_rss_above_bytes: int
     peak_pss_above_bytes: int
-    decoded_frames: int  # counted by the loader itself (the workers' counters for refstream)
-    worker_stats: list[dict] = field(default_factory=list)  # StreamingDataset.worker_stats()
+    decoded_frames: int  # the map-style items' own count; refstream's decoders' (DECODED)
     batch_times_s: list[tuple[float, int]] = field(default_factory=list)  # (t, samples so far)
     memory_series: list[tuple[float, int, int]] = field(default_factory=list)
 
@@ -381,7 +398,7 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
     start = time.perf_counter()
     dataset, loader = make_loader()
     batches = iter(loader)
-    samples = decoded = 0
+    samples, decoded = 0, -DECODED.value
     times: list[tuple[float, int]] = []
     cpu: list[tuple[float, float, float]] = []  # after each batch: main thread, workers, collate
     workers: list[int] = []
@@ -412,10 +429,8 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
     steady = (last_samples - from_samples) / (last_s - from_s) if last_s > from_s else 0.0
     per_sample = 1000 / max(1, last_samples - from_samples)
     steady_cpu = tuple((b - a) * per_sample for a, b in zip(cpu[mid], cpu[-1], strict=True))
-    stats = dataset.worker_stats() if isinstance(dataset, StreamingDataset) else []
-    decoded += sum(w["decoded_frames"] for w in stats)
     return Pass(samples, times[0][0], steady, steady_cpu, total_cpu, rss_above, pss_above,
-                decoded, stats, times, sampler.series)
+                decoded + DECODED.value, times, sampler.series)
 
 
 @dataclass(frozen=True)
@@ -787,15 +802,15 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         return [timed_pass(lambda r=r: make(r), batches) for r in range(config.repeats)]
 
     with tempfile.TemporaryDirectory(prefix="refstream-bench-") as scratch, \
-            demo.environment(CACHE_ENV, str(Path(scratch) / "cache")):
+            demo.environment(CACHE_ENV, str(Path(scratch) / "cache")), \
+            mock.patch.object(decode, "EpisodeDecoder", CountedDecoder):
         # Sidecars of loopback URLs (a new port every run) go to a scratch cache.
         methods: list[Method] = []
         say("refstream from the local folder")
         probe, _ = _streaming(str(root), config, windows, 0)  # builds the sidecar
         spans = span_totals(root, meta, probe.video_index)
         local = passes(lambda r: _streaming(str(root), config, windows, r))
-        methods.append(Method("refstream-local", local, fetched_bytes=sum(
-            w["fetch_bytes"] for w in local[0].worker_stats)))
+        methods.append(Method("refstream-local", local))
 
         with demo.serve_directory(root) as server:
             say("refstream over loopback HTTP, both idioms")

@@ -217,10 +217,7 @@ def run_stream(args) -> int:
     summary = {"root": args.root, "episodes": dataset.num_episodes, "frames": dataset.num_frames,
                "samples": m.samples, "batches": m.batches, "seconds": round(m.seconds, 3),
                "samples_per_s": round(m.samples_per_s, 1),
-               "first_sample_s": round(m.first_sample_s, 3), "fetch_requests": m.fetch_requests,
-               "fetch_bytes": m.fetch_bytes,
-               "peak_reserved_bytes_per_worker": m.peak_reserved_bytes,
-               "budget_bytes_per_worker": m.budget_bytes}
+               "first_sample_s": round(m.first_sample_s, 3)}
     _print_summary(summary, args.json)
     return 0
 

@@ -636,10 +636,6 @@ class StreamMeasurement:
     batches: int
     seconds: float  # from creating the first DataLoader iterator to the last batch
     first_sample_s: float  # from creating the first DataLoader iterator to the first batch
-    fetch_requests: int  # range and whole-file reads by the workers, all epochs
-    fetch_bytes: int
-    peak_reserved_bytes: list[int]  # per worker: the byte budget's high-water mark, all epochs
-    budget_bytes: list[int]  # per worker
 
     @property
     def samples_per_s(self) -> float:
@@ -660,8 +656,7 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
     total = dataset.rank_frames * epochs
     bar = tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
                dynamic_ncols=True)
-    samples = batches = requests = fetched = 0
-    peaks, budgets = [], []  # per worker
+    samples = batches = 0
     first_s = None
     start = time.perf_counter()
     try:
@@ -681,20 +676,13 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
                     on_batch(batch)
                 if max_samples is not None and samples >= max_samples:
                     break
-            del batches_of_epoch  # shuts the workers down before their last counters are read
-            stats = dataset.worker_stats()
-            requests += sum(w["fetch_requests"] for w in stats)
-            fetched += sum(w["fetch_bytes"] for w in stats)
-            peaks = [max(a, w["peak_reserved_bytes"]) for a, w in
-                     zip(peaks or [0] * len(stats), stats, strict=False)]
-            budgets = [w["budget_bytes"] for w in stats]
+            del batches_of_epoch  # shuts the workers down
             if max_samples is not None and samples >= max_samples:
                 break
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-    return StreamMeasurement(samples, batches, seconds, first_s or 0.0, requests, fetched,
-                             peaks, budgets)
+    return StreamMeasurement(samples, batches, seconds, first_s or 0.0)
 
 
 # --- the demo -------------------------------------------------------------------------------
@@ -742,9 +730,6 @@ class DemoReport:
             f"index, {self.video_span_requests} video spans for {self.episodes} episodes x "
             f"{self.cameras} cameras), {self.body_bytes:,} bytes = "
             f"{self.body_bytes / self.dataset_bytes:.2f} x the dataset",
-            "budget: peak reserved per worker "
-            + ", ".join(f"{peak:,}" for peak in m.peak_reserved_bytes)
-            + f" of {max(m.budget_bytes, default=0):,} bytes each",
         ]
         out += [f"problem: {p}" for p in self.problems[:10]]
         return out
@@ -820,9 +805,6 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
         missing = len(set(expected) - set(seen))
         problems.append(f"{len(seen)} samples, {missing} frames missing, "
                         f"{len(seen) - len(set(seen))} repeated")
-    if any(peak > budget for peak, budget in zip(measurement.peak_reserved_bytes,
-                                                 measurement.budget_bytes, strict=True)):
-        problems.append("a worker's byte budget was exceeded")
     video_spans = sum(1 for method, path, rng, _ in server.log[setup_requests:]
                       if method == "GET" and rng and path.endswith(".mp4"))
     return DemoReport(
