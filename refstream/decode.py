@@ -1,5 +1,5 @@
-"""PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time:
-SPEC §10.8, giving the camera values of SPEC §9.1.
+"""PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time
+(SPEC §10.8; the camera values of SPEC §9.1).
 
 Use::
 
@@ -8,20 +8,13 @@ Use::
         frames = decoder.frames(pts_ticks[chosen], np.float32)            # (T, 3, H, W)
         decoder.frames(pts_ticks[chosen], out=batch[i])                   # or into given memory
     cache = DecoderCache(capacity)     # LRU keyed (episode, camera), for one thread at a time
-    cache.frames((3, "top"), mp4_bytes, pts_ticks, np.uint8, start_pts); cache.close()
 
-``pts_ticks`` are source presentation times in ticks of the track's timescale; ``start_pts`` is
-the source pts of the video's local time 0 (a span's ``start_pts``, 0 for a whole file).
-:func:`select_frames` chooses the frame serving each time (the nearest of those
-:func:`refstream.synth.serving_samples` finds, ties to the earlier pts); a decoder then decodes
-exactly the frames asked, in any order and with repeats, each converted once into its place in
-the output: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's ``to_ndarray``) or ``float32`` RGB / 255
-(LeRobot's division).
-
-Invariants: the only module that imports PyAV. A decoder uses one FFmpeg thread and one ``rgb24``
-converter; a call seeks once (more when a seek lands past the first frame asked, as with
-B-frames) and decodes forward. PyAV errors become :class:`DecodeError` with the cause chained; a
-time no frame serves is :class:`FrameNotFound` naming the label (episode and camera) and time.
+Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
+video's local time 0. A decoder decodes exactly the frames asked (any order, repeats allowed),
+converting each once into its place: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's
+``to_ndarray``) or ``float32`` RGB / 255 (LeRobot's division). The only module that imports
+PyAV: its errors become :class:`DecodeError`, cause chained; a time no frame serves is
+:class:`FrameNotFound` naming the episode, camera and time.
 """
 
 from __future__ import annotations

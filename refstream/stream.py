@@ -1,7 +1,8 @@
-"""``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader,
-as SPEC §9 states.
+"""``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader
+(SPEC §9).
 
-Use (ready batches: the fastest path, see below)::
+Use (ready batches, the fastest path: each frame is decoded once, straight into the shared
+memory the training process receives)::
 
     dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0,
                                batch_size=B, batched=True)
@@ -10,26 +11,15 @@ Use (ready batches: the fastest path, see below)::
         dataset.set_epoch(epoch)
         for batch in loader: ...
 
-A sample equals LeRobot's map-style ``LeRobotDataset[i]`` for the same frame, key for key and
-dtype for dtype (SPEC §9.1). A worker yields its share's samples in the order of SPEC §9.2, each
-episode reserved whole at its exact synthesized size before any of its bytes is fetched (SPEC
-§9.3). Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates them; with it, each
-worker yields its samples ``batch_size`` at a time as the same batches, decoded straight into
-shared memory the training process receives as handles (``refstream.worker``); a DataLoader
-that batches those again is refused (UsageError).
-
-Resume (SPEC §9.4): ``state_dict(samples=steps * B, batch_size=B, num_workers=N)``, ``steps``
-counting the batches consumed since the position was set, is a checkpoint; ``load_state_dict``
-before ``iter(loader)`` continues from it, also with another world size, worker count or batch
-size (SPEC §3.9: ``resume.delivered_by`` replays the old ranks, ``resume.Course`` plans the
-rest). With ``world_size > 1`` and no ``repeat``, every rank stops after the same number of
-batches of ``batch_size`` (SPEC §9.5), so DDP does not hang.
-
-``__init__`` (the main process) reads the metadata, selects episodes, checks the windows,
-resolves the rank (arguments, else an initialised ``torch.distributed``, else
-``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the sidecar index exists; each DataLoader
-worker places itself and runs a :class:`refstream.worker.WorkerStream`. The position lives in
-shared memory, so persistent workers see it.
+Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. A sample
+equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its share in the
+order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
+B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` before
+``iter(loader)`` continues from it, also with another world size, worker count or batch size.
+With ``world_size > 1`` and no ``repeat`` every rank stops after the same number of batches
+(SPEC §9.5). ``__init__`` (the main process) reads the metadata, resolves the rank (arguments,
+an initialised ``torch.distributed``, ``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the
+sidecar index exists; the position lives in shared memory, so persistent workers see it.
 """
 
 
@@ -44,21 +34,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import shard
+from refstream import resume, shard
 from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
-from refstream.resume import (
-    Course,
-    Delivered,
-    Order,
-    ResumeSetup,
-    ResumeState,
-    Segment,
-    delivered_by,
-    selection_digest,
-)
 from refstream.rng import MASK64, resolve_seed
 from refstream.sidecar import VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
@@ -75,9 +55,8 @@ _EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS, _SEED, _HISTORY = range(6)
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
-    raise UsageError(
-        "the dataset yields ready batches (batched=True): give the DataLoader batch_size=None, "
-        "or build the dataset without batched=True to let the DataLoader batch samples")
+    raise UsageError("the dataset yields ready batches (batched=True): give the DataLoader "
+                     "batch_size=None, or let the DataLoader batch samples without batched")
 
 
 # The DataLoader's default collation (torch documents extending it through this map) refuses
@@ -88,17 +67,14 @@ default_collate_fn_map[Batch] = _refuse_batches
 class StreamingDataset(IterableDataset):
     """A LeRobot v3 dataset streamed episode by episode (see the module docstring).
 
-    ``root`` is a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
-    ``episode_pool_size`` is per worker (default: 32 per rank split over the workers);
-    ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` are per rank, split over the
-    workers; ``prefetch_episodes`` frontier episodes are fetched ahead per worker.
-    ``batch_size`` (refstream's addition) is the batch size: needed for the distributed end
-    of a finite epoch and to load a checkpoint, and checked against checkpoints; with
-    ``batched`` the dataset yields batches of it (use ``DataLoader(batch_size=None)``), else it
-    is the DataLoader's. ``decode_threads`` decode each group of ``decoded_queue_size`` samples
-    (of ``batch_size`` when batched). ``sidecar_lock_timeout_s`` is how long to wait for another
-    process building the video index (default ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else
-    1800 s).
+    ``root``: a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
+    ``episode_pool_size`` and ``prefetch_episodes`` are per worker (default pool: 32 per rank
+    split over the workers); ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` per rank,
+    split. ``batch_size`` (the DataLoader's, or with ``batched`` the dataset's own batches) is
+    needed for the distributed end of a finite epoch and for checkpoints. ``decode_threads``
+    decode each group of ``decoded_queue_size`` samples (of ``batch_size`` when batched).
+    ``sidecar_lock_timeout_s``: the wait for another process building the video index (default
+    ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else 1800 s).
     """
 
     def __init__(
@@ -152,10 +128,8 @@ class StreamingDataset(IterableDataset):
         self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         if not (repeat or self.world_size == 1 or batch_size):
-            raise UsageError(
-                f"world_size {self.world_size} without repeat: pass batch_size (the "
-                "DataLoader's) so every rank stops after the same number of batches, or use "
-                "repeat=True")
+            raise UsageError(f"world_size {self.world_size} without repeat: pass batch_size so "
+                             "every rank stops after the same number of batches, or repeat=True")
 
         source = open_source(self.root)
         try:
@@ -174,56 +148,29 @@ class StreamingDataset(IterableDataset):
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         finally:
             source.close()
+        # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
+        meta = self.meta
+        self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
+        self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
         self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
         self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
         # The position (see _EPOCH…); 0 batch size = no resume. The earlier topologies of a
         # resume and what they delivered live here (workers get them when they start).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
-        self._history: tuple[Segment, ...] = ()
-        self._delivered: Delivered | None = None
+        self._history: tuple[resume.Segment, ...] = ()
+        self._delivered: resume.Delivered | None = None
         self.set_epoch(0)
 
-    # --- what the dataset is, in LeRobotDataset's names ---------------------------------------
-
-    @property
-    def fps(self) -> int:
-        """Frames per second of every episode and camera."""
-        return self.meta.fps
-
-    @property
-    def features(self) -> dict:
-        """``meta/info.json``'s features, verbatim."""
-        return self.meta.features
-
-    @property
-    def camera_keys(self) -> list[str]:
-        """The video features, in ``info.json`` order."""
-        return self.meta.camera_keys
-
-    @property
-    def num_episodes(self) -> int:
-        """Episodes selected (over every rank)."""
-        return len(self.episodes)
-
-    @property
-    def num_frames(self) -> int:
-        """Frames of the selected episodes (over every rank)."""
-        return sum(self._frames)
-
     def __len__(self) -> int:
-        """Samples this rank yields in an epoch (batches with ``batched``, each worker's last
-        one possibly short): every frame of its episodes, or, with ``world_size > 1`` and no
-        ``repeat``, those of the batches every rank can fill (SPEC §9.5). A distributed or
-        batched count depends on the DataLoader's worker count: give ``num_workers``."""
+        """Samples (with ``batched``: batches) this rank yields in an epoch (SPEC §9.5); a
+        distributed or batched count needs ``num_workers``, the DataLoader's."""
         if not self.batched and (self.repeat or self.world_size == 1):
             return self.rank_frames
         if self.num_workers is None:
-            raise UsageError(
-                f"len() of a {'batched' if self.batched else 'distributed'} epoch depends on "
-                "the DataLoader's worker count: build the dataset with num_workers=N (the "
-                "DataLoader's)")
-        course = Course(self._order(), Delivered(0), self.world_size, max(1, self.num_workers),
-                        self.batch_size)
+            raise UsageError(f"len() of a {'batched' if self.batched else 'distributed'} epoch "
+                             "needs the DataLoader's worker count: give num_workers=N")
+        course = resume.Course(self._order(), resume.Delivered(0), self.world_size,
+                               max(1, self.num_workers), self.batch_size)
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.share(self.rank, w, 0))
@@ -233,9 +180,8 @@ class StreamingDataset(IterableDataset):
         return sum(-(-stop // self.batch_size) for stop in stops)
 
     def selection_stats(self) -> dict:
-        """The normalisation statistics of the selected episodes alone, combined from each
-        episode's own as LeRobot combines statistics (SPEC §4.7). ``meta.stats`` stays those of
-        the whole dataset, as LeRobot's does; use this to normalise for a subset."""
+        """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
+        §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
         source = open_source(self.worker_root)
         try:
             return selection_stats(source, self.meta, self.episodes)
@@ -266,29 +212,23 @@ class StreamingDataset(IterableDataset):
         the current position was set, with a DataLoader of ``num_workers`` workers."""
         base = int(self._position[_SAMPLES])
         if int(self._position[_RESUME_BATCH]) not in (0, batch_size):
-            raise TopologyChanged(
-                f"resumed with batch size {int(self._position[_RESUME_BATCH])}, "
-                f"checkpointing with {batch_size}"
-            )
-        state = ResumeState(epoch=self.epoch, samples=base + samples,
-                            setup=self._setup(batch_size, max(1, num_workers)),
-                            history=self._history)
-        ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
+            raise TopologyChanged(f"resumed with batch size {int(self._position[_RESUME_BATCH])}"
+                                  f", checkpointing with {batch_size}")
+        state = resume.ResumeState(epoch=self.epoch, samples=base + samples,
+                                   setup=self._setup(batch_size, max(1, num_workers)),
+                                   history=self._history)
+        resume.ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
         return state.to_dict()
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
-        """Start every following iterator where ``state`` (from :meth:`state_dict`) left off,
-        with this dataset's world size and ``batch_size`` and a DataLoader of ``num_workers``
-        workers (default: the checkpoint's). Any of the three may differ from the checkpoint's:
-        the rest of the epochs in progress is then planned over the new topology (SPEC §3.9),
-        which replays every rank of the old one here. A dataset built without ``seed`` takes
-        the checkpoint's; another seed, strategy, pool setting, ``repeat`` or selection is
-        TopologyChanged."""
+        """Start every following iterator where ``state`` left off, with ``num_workers``
+        DataLoader workers (default: the checkpoint's); world size, workers and batch size may
+        differ from the checkpoint's (SPEC §3.9). Without ``seed`` the checkpoint's is taken;
+        another seed, strategy, pool setting, ``repeat`` or selection is TopologyChanged."""
         if self.batch_size is None:
-            raise UsageError(
-                "load_state_dict needs the DataLoader's batch size to place every worker: "
-                "build the dataset with batch_size=B (the DataLoader's)")
-        parsed = ResumeState.from_dict(dict(state))
+            raise UsageError("load_state_dict needs the batch size to place every worker: "
+                             "build the dataset with batch_size=B")
+        parsed = resume.ResumeState.from_dict(dict(state))
         if not self._seed_given:
             self.seed = parsed.setup.seed
         workers = parsed.setup.num_workers if num_workers is None else max(1, num_workers)
@@ -297,25 +237,22 @@ class StreamingDataset(IterableDataset):
         self._delivered = None
         if resumed.history:
             sizes = self._byte_sizes(self.episodes) if self.meta.camera_keys else None
-            self._delivered = delivered_by(self._order(sizes), resumed.epoch, resumed.history)
+            self._delivered = resume.delivered_by(self._order(sizes), resumed.epoch,
+                                                  resumed.history)
         self._set_position(resumed.epoch, resumed.samples, self.batch_size, workers)
 
-    def _setup(self, batch_size: int, num_workers: int) -> ResumeSetup:
+    def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
         if self.batch_size is not None and batch_size != self.batch_size:
-            raise TopologyChanged(
-                f"batch size {batch_size} differs from the dataset's batch_size {self.batch_size}"
-            )
-        order = self._order()
-        return ResumeSetup(seed=self.seed, strategy=self.sampling_strategy,
-                           pool_size=self.episode_pool_size, byte_budget=order.byte_budget,
-                           world_size=self.world_size, num_workers=num_workers,
-                           batch_size=batch_size, repeat=self.repeat,
-                           selection=selection_digest(self.episodes, self._frames))
+            raise TopologyChanged(f"batch size {batch_size} differs from the dataset's "
+                                  f"batch_size {self.batch_size}")
+        return resume.ResumeSetup(
+            seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
+            byte_budget=self._order().byte_budget, world_size=self.world_size,
+            num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
+            selection=resume.selection_digest(self.episodes, self._frames))
 
-    # --- iteration ----------------------------------------------------------------------------
-
-    def _order(self, byte_sizes: dict[int, int] | None = None) -> Order:
-        return Order(
+    def _order(self, byte_sizes: dict[int, int] | None = None) -> resume.Order:
+        return resume.Order(
             tuple(self.episodes), tuple(self._frames), seed=self.seed,
             strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget if self.meta.camera_keys else None, repeat=self.repeat,
@@ -340,20 +277,19 @@ class StreamingDataset(IterableDataset):
             int(v) for v in self._position)
         self.seed = seed & MASK64
         if history and history != _digest(self._history):
-            raise UsageError(
-                "a checkpoint of another topology was loaded after this DataLoader's persistent "
-                "workers started: load it before the first iter(loader)")
+            raise UsageError("a checkpoint of another topology was loaded after the persistent "
+                             "workers started: load it before the first iter(loader)")
         if resume_batch and resume_workers != num_workers:
-            raise TopologyChanged(
-                f"the checkpoint was loaded for {resume_workers} DataLoader worker(s), this "
-                f"DataLoader has {num_workers}: pass num_workers={num_workers} to "
-                "load_state_dict to resume with them")
+            raise TopologyChanged(f"the checkpoint was loaded for {resume_workers} DataLoader "
+                                  f"worker(s), this DataLoader has {num_workers}: pass "
+                                  f"num_workers={num_workers} to load_state_dict")
         if self.num_workers is not None and max(1, self.num_workers) != num_workers:
-            raise UsageError(
-                f"the dataset was made with num_workers={self.num_workers}, this DataLoader has "
-                f"{0 if info is None else num_workers} workers: give both the same count")
-        course = Course(self._order(), self._delivered if history else Delivered(epoch),
-                        self.world_size, num_workers, resume_batch or self.batch_size or 1)
+            raise UsageError(f"the dataset was made with num_workers={self.num_workers}, the "
+                             f"DataLoader with {0 if info is None else num_workers}: give both "
+                             "the same count")
+        delivered = self._delivered if history else resume.Delivered(epoch)
+        course = resume.Course(self._order(), delivered, self.world_size, num_workers,
+                               resume_batch or self.batch_size or 1)
         positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
@@ -379,13 +315,12 @@ class StreamingDataset(IterableDataset):
         finally:
             stream.close()
 
-    def _planner(self, course: Course, logical: int, epoch: int,
+    def _planner(self, course: resume.Course, logical: int, epoch: int,
                  byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
         try:
             return course.planner(self.rank, logical, epoch, byte_sizes)
         except EpisodeTooLarge as exc:
-            need = max(byte_sizes.values())
-            workers = course.num_workers
+            workers, need = course.num_workers, max(byte_sizes.values())
             raise EpisodeTooLarge(
                 f"{exc}: each of the {workers} DataLoader worker(s) gets byte_budget_gb="
                 f"{self.byte_budget / GIB:.4g} / {workers} = {worker_budget:,} bytes; raise "
@@ -396,7 +331,7 @@ class StreamingDataset(IterableDataset):
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _digest(history: tuple[Segment, ...]) -> int:
+def _digest(history: tuple[resume.Segment, ...]) -> int:
     """A positive 62-bit digest of a resume history; 0 for none."""
     if not history:
         return 0

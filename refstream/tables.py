@@ -1,20 +1,16 @@
-"""One episode's rows of a LeRobot v3 data Parquet file, read by range: SPEC §8.5.
+"""One episode's rows of a LeRobot v3 data Parquet file, read by range (SPEC §8.5).
 
 Use::
 
     footers = Footers()          # one per worker: each file's footer is read once
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers,
                               first_index=meta.from_index[row])     # checks the index column
-    values = column_array(table[name], where, name)          # refstream.meta: numpy per row
 
-``read_episode_rows`` returns a ``pyarrow.Table`` of exactly ``columns`` (asked order,
-duplicates dropped) and ``expected_rows`` rows whose ``frame_index`` counts from 0 and, given
-``first_index``, whose ``index`` counts from it: list and struct features keep their Arrow types
-until the caller converts them. It reads through a ``RangeFile`` over the source, so only the
-footer (one ``read_tail`` of :data:`FOOTER_TAIL_BYTES`) and the candidate row groups' column
-chunks travel; :func:`candidate_row_groups` is the pruning rule on its own. Failures are
-:class:`TableError` naming the file and the episode, pyarrow's errors chained; fetch errors pass
-through unchanged.
+The table has exactly ``columns`` (asked order, duplicates dropped) and ``expected_rows`` rows
+whose ``frame_index`` counts from 0 (and ``index`` from ``first_index``); values keep their Arrow
+types (``refstream.meta.column_array`` converts). Only the footer (one ``read_tail``) and the
+row groups :func:`candidate_row_groups` keeps travel. Failures are :class:`TableError` naming
+the file and episode; fetch errors pass through.
 """
 
 from __future__ import annotations
@@ -107,20 +103,10 @@ def read_episode_rows(
 
 def _episode_stats(parquet: pq.ParquetFile) -> list[tuple[int, int] | None]:
     """``(min, max)`` of ``episode_index`` per row group, None where unusable."""
-    metadata = parquet.metadata
-    if metadata.num_row_groups == 0:
-        return []
-    first = metadata.row_group(0)
-    leaf = next(i for i in range(first.num_columns)
-                if first.column(i).path_in_schema == EPISODE_COLUMN)
-    stats: list[tuple[int, int] | None] = []
-    for group in range(metadata.num_row_groups):
-        chunk = metadata.row_group(group).column(leaf).statistics
-        if chunk is None or not chunk.has_min_max:
-            stats.append(None)
-        else:
-            stats.append((int(chunk.min), int(chunk.max)))
-    return stats
+    schema, metadata = parquet.schema, parquet.metadata
+    leaf = [schema.column(i).path for i in range(len(schema))].index(EPISODE_COLUMN)
+    stats = [metadata.row_group(g).column(leaf).statistics for g in range(metadata.num_row_groups)]
+    return [(int(s.min), int(s.max)) if s is not None and s.has_min_max else None for s in stats]
 
 
 def _validate(table: pa.Table, where: str, expected_rows: int, first_index: int | None) -> None:

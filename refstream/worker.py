@@ -1,7 +1,5 @@
-"""One DataLoader worker's stream: its share's episodes fetched whole, their frames decoded, and
-its samples (or ready batches) yielded in planner order (SPEC §9.2, §9.3).
-
-Use (``StreamingDataset`` does this in each worker)::
+"""One DataLoader worker's stream: its share's samples, or ready batches, in planner order
+(SPEC §9.2, §9.3). ``StreamingDataset`` runs, in each worker::
 
     worker = WorkerStream(dataset, share, limits)   # plans spans and byte sizes
     try:
@@ -9,20 +7,12 @@ Use (``StreamingDataset`` does this in each worker)::
     finally:
         worker.close()
 
-``runs`` gives ``(planner, offset, stop)`` per epoch: the planner's anchors from ``offset`` up to
-``stop`` (None: its end). Samples are made ``group`` at a time: each anchor's episode is reserved
-and its fetch started when admitted (fetch threads: rows, and one byte range per camera made a
-mini-MP4), then the group's frames are decoded, each decode thread with its own decoders and the
-yielding thread taking one share. An admission that must wait for room first decodes the anchors
-already taken, whose drained episodes then free theirs.
-
-Samples are LeRobot's map-style items (SPEC §9.1): :func:`hf_to_torch` converts row values, and
-the frame serving each row's time is chosen once per episode and camera when its video arrives
-(:func:`refstream.decode.select_frames`). Image transforms run on the yielding thread in sample
-order. With ``batched`` a group is one :class:`Batch`, what the DataLoader's default collation
-makes of its samples, whose frames are decoded straight into tensors in shared memory
-(:class:`SharedBuffers`): such a tensor crosses to the training process as a handle, and the
-worker writes into it again only once that process has dropped it.
+``runs`` gives ``(planner, offset, stop)`` per epoch. An admitted episode is reserved whole and
+fetched by a fetch thread (rows; per camera one byte range made a mini-MP4, and the frame serving
+each row). Samples are made ``group`` at a time, their frames decoded by the decode threads into
+the group's tensors. With ``batched`` a group is one :class:`Batch` (the DataLoader's default
+collation of its samples) whose camera tensors are shared memory (:class:`SharedBuffers`): they
+cross to the training process as handles and are written again once that process dropped them.
 """
 
 from __future__ import annotations
@@ -77,14 +67,14 @@ class _Episode:
 
 @dataclass
 class _Group:
-    """Samples made together: their anchors, row values and frame requests, and the tensors
-    (``size`` samples each) their frames are decoded into."""
+    """Samples made together, and the tensors their frames are decoded into."""
 
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
     leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
     anchors: list[tuple[int, int]] = field(default_factory=list)
     values: dict[str, list] = field(default_factory=dict)  # key -> one value per sample
-    requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
+    requests: list[tuple] = field(default_factory=list)  # undecoded (slot, episode, camera,
+    #                                                      video, pts)
     done: int = 0  # anchors gathered and decoded
 
 
@@ -126,8 +116,7 @@ class SharedBuffers:
         self._tensors: list[torch.Tensor] = []
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
-        """A free tensor of ``shape`` and ``dtype`` and its lease ``(flags, cell)`` (no lease:
-        a tensor that is not used again)."""
+        """A free tensor and its lease ``(flags, cell)``; no lease: one not used again."""
         for cell, tensor in enumerate(self._tensors):
             if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
                 break
@@ -154,7 +143,6 @@ class WorkerStream:
         for camera in self.cameras:
             self.keys += [f"{camera}_is_pad", camera] if camera in self.offsets else [camera]
         self.keys.append("task")
-        self.dtype = np.dtype(np.uint8 if dataset.return_uint8 else np.float32)
         self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
         self.source = open_source(dataset.worker_root)
         self.footers = Footers()
@@ -182,8 +170,7 @@ class WorkerStream:
             raise
 
     def _plan_spans(self, share: list[int]) -> None:
-        """Each (episode, camera) span of the share at the nominal times, and each episode's
-        exact byte size (SPEC §9.2)."""
+        """The share's (episode, camera) spans and each episode's exact byte size (SPEC §9.2)."""
         self.index = MappedIndex(self.ds.video_index)
         # A payload read later must come from the file as it was indexed (else PayloadChanged).
         for relpath, record in self.ds.video_index.records.items():
@@ -200,8 +187,7 @@ class WorkerStream:
 
     def stream(self, runs: Iterator[tuple[Planner, int, int | None]], group: int, batched: bool,
                in_worker: bool) -> Iterator[dict]:
-        """Samples (``batched``: Batches of ``group`` samples, the last one possibly short) of
-        the runs' anchors in order; ``in_worker``: batches go to another process."""
+        """The runs' samples, or Batches of ``group`` of them (``in_worker``: to be pickled)."""
         shared = batched and self.ds.image_transforms is None
         made = self._group(group, shared)
         for anchor in self._anchors(runs):
@@ -218,8 +204,7 @@ class WorkerStream:
             yield from self._emit(made, batched, in_worker)
 
     def _group(self, size: int, shared: bool) -> _Group:
-        """An empty group whose frames go to tensors sized by the video index: shared ones to
-        be used again when ``shared``, else new memory."""
+        """An empty group whose frames go to new tensors, or reused shared ones."""
         frames, leases = {}, {}
         for camera, (height, width) in self.frame_sizes.items():
             shape = (size, len(self.offsets.get(camera, [0])), 3, height, width)
@@ -260,15 +245,15 @@ class WorkerStream:
             yield None
 
     def _decode(self, made: _Group) -> None:
-        """Gather the rows of the group's new anchors and decode their frames, each decode
-        thread the requests of its own decoders; then free the episodes they finish."""
+        """Gather and decode the group's new anchors (each decode thread the requests of its
+        own decoders), then free the episodes they finish."""
         new = made.anchors[made.done:]
-        first_request = len(made.requests)
         for slot in range(made.done, len(made.anchors)):
             self._gather(made, slot)
         parts = [[] for _ in self.decoders]
-        for request in made.requests[first_request:]:
+        for request in made.requests:
             parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
+        made.requests.clear()
         futures = [self.decode_pool.submit(self._decode_part, made, part, decoders)
                    for part, decoders in zip(parts[1:], self.decoders[1:], strict=True) if part]
         self._decode_part(made, parts[0], self.decoders[0])
@@ -304,8 +289,8 @@ class WorkerStream:
 
     def _decode_part(self, made: _Group, requests: list[tuple], decoders: DecoderCache) -> None:
         for slot, episode, camera, video, pts in requests:
-            decoders.frames((episode, camera), video.mp4, pts, self.dtype, video.start_pts,
-                            made.frames[camera][slot].numpy())
+            decoders.frames((episode, camera), video.mp4, pts, start_pts=video.start_pts,
+                            out=made.frames[camera][slot].numpy())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -330,13 +315,13 @@ class WorkerStream:
     # --- admission, prefetch and release ------------------------------------------------------
 
     def _admit(self, episode: int, wait: bool) -> bool:
-        """Reserve and lease ``episode`` and start its fetch; False if it must wait for a lease
-        to be released first (only when ``wait`` is False)."""
+        """Reserve ``episode`` and start its fetch; False if it must wait (only if not ``wait``)."""
         if self.budget is not None:
             size = self.byte_sizes[episode]
             if not self.budget.acquire(episode, size, timeout_s=None if wait else 0):
                 return False
-            self._drop_evicted()
+            for evicted in self.budget.take_evicted():
+                self._discard(evicted)
         self._start_fetch(episode)
         return True
 
@@ -360,15 +345,10 @@ class WorkerStream:
                     self.budget.try_reserve(episode, self.byte_sizes[episode])
 
     def _start_fetch(self, episode: int) -> None:
-        """Fetch ``episode`` unless it is fetched or fetching (the budget says, when there is
-        one: a reservation is fetched once)."""
+        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
         if (self.budget.claim_fetch(episode) if self.budget is not None
                 else episode not in self.payloads):
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
-
-    def _drop_evicted(self) -> None:
-        for episode in self.budget.take_evicted():
-            self._discard(episode)
 
     def _forget(self, episode: int) -> None:
         """The episode is drained and its last anchor decoded: free its bytes and decoders."""
@@ -404,9 +384,8 @@ class WorkerStream:
                 self.budget.mark_fetched(episode)
 
     def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
-        """Each camera's mini-MP4 and the frame serving each row. The exact request times (the
-        timestamp column) must need no sample outside the span sized from the nominal times,
-        else the budget would be wrong."""
+        """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
+        need no sample outside the span the budget was sized from."""
         exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
                                     timestamps)
         videos = {}
@@ -421,8 +400,7 @@ class WorkerStream:
             payload = self.source.read_range(self.meta.video_relpath(episode, camera),
                                              span.byte_offset, span.byte_length)
             mp4 = synth.synthesize(sample_index, span, payload)
-            if self.budget is not None:
-                self.budget.mark_resident(episode, len(mp4))
+            self.budget.mark_resident(episode, len(mp4))
             pts = sample_index.pts[span.sample_lo:span.sample_hi + 1].astype(np.int64)
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
@@ -446,10 +424,5 @@ def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
     """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
     Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
     array = np.asarray(values)
-    if array.dtype.kind == "f":
-        array = array.astype(np.float32)
-    elif array.dtype.kind in "iu":
-        array = array.astype(np.int64)
-    elif array.dtype.kind != "b":
-        return array.tolist()
-    return torch.from_numpy(np.array(array, copy=True))
+    dtype = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}.get(array.dtype.kind)
+    return array.tolist() if dtype is None else torch.from_numpy(array.astype(dtype))
