@@ -4,7 +4,8 @@ The oracle is the DataLoader itself: the same dataset without ``batched``, colla
 ``DataLoader(dataset, batch_size=B)``. Every batch must be identical — same keys in the same
 order, same dtypes, shapes and values, same order of batches — with one worker or several (the
 DataLoader's round-robin, each worker's last batch short), across an epoch boundary with
-``repeat``, after a resume mid-epoch and on each rank of a distributed epoch. The shared camera
+``repeat``, after a resume mid-epoch, after a resume on another topology and on each rank of a
+distributed epoch. The shared camera
 buffers are checked on their own: one held by the consumer is never written again, one dropped
 is reused.
 """
@@ -115,6 +116,26 @@ def test_ready_batches_resume_mid_epoch_like_the_dataloaders(root, repeat):
     assert_same_batches(rest, full[3:])
     assert_same_batches(rest, _plain(root, 2, None if horizon is None else horizon - 3,
                                      state=state, **options))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_ready_batches_resume_on_another_topology_like_the_dataloaders(root):
+    # A checkpoint of 2 ranks of 2 workers after 2 batches of 4 each, resumed on one rank of 3
+    # workers with batches of 3: every old rank is replayed and the rest planned anew.
+    options = {"seed": 8, "episode_pool_size": 2, "return_uint8": True,
+               "delta_timestamps": WINDOWS}
+    old = StreamingDataset(root, batch_size=BATCH, rank=0, world_size=2, **options)
+    state = old.state_dict(2 * BATCH, batch_size=BATCH, num_workers=2)
+
+    def resumed(batched: bool) -> list:
+        dataset = StreamingDataset(root, batch_size=3, batched=batched, num_workers=3,
+                                   **options)
+        dataset.load_state_dict(state, num_workers=3)
+        return list(DataLoader(dataset, batch_size=None if batched else 3, num_workers=3))
+
+    want = resumed(False)
+    assert sum(len(b["index"]) for b in want) == sum(LENGTHS) - 2 * 2 * BATCH
+    assert_same_batches(resumed(True), want)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
