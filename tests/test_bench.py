@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from refstream.tools import baselines, bench
+from refstream.tools import baselines, bench, droid
 from refstream.tools.cli import main
 from refstream.tools.demo import read_frame_label
 
@@ -71,7 +71,7 @@ def test_no_plot_without_matplotlib(monkeypatch, tmp_path):
 
 def test_batch_mixing_against_brute_force():
     config = bench.BenchConfig.quick(num_workers=1, batch_size=2)
-    mixing = bench.batch_mixing([7, 9], [4, 4], config, "round_robin", None)
+    mixing = droid.batch_mixing([7, 9], [4, 4], config, "round_robin", None)
     # Round robin over two resident episodes puts one frame of each into every batch.
     assert (mixing.batches, mixing.mean_distinct) == (4, 2.0)
     # A uniform shuffle of 8 frames of 2 episodes: a batch of 2 is mixed with probability
@@ -101,7 +101,7 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     frames = QUICK.episodes * QUICK.frames_per_episode
     assert report["frames"] == frames and report["root"] == str(root)
     methods = {m["name"]: m for m in report["methods"]}
-    streamed = {"refstream-local", "refstream-http", "refstream-http-plain",
+    streamed = {"refstream-http", "refstream-http-plain",
                 "refstream-http-uint8", "refstream-http-uint8-plain", "refstream-http-h264-g30"}
     assert set(methods) == {"map-style", *streamed}  # both idioms, float32 and uint8
     for name in streamed:  # whole epochs, in steady state at least the last batch's samples
@@ -114,5 +114,5 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     http = methods["refstream-http"]
     # Every (episode, camera) span is fetched once: one video request each, at least its bytes.
     assert http["traffic"]["video_requests"] == QUICK.episodes * QUICK.cameras
-    assert http["video_bytes"] >= report["spans"]["span_bytes"] > 0
+    assert http["traffic"]["video_bytes"] >= report["spans"]["span_bytes"] > 0
     assert {t["key"] for t in report["targets"]} == set(bench.TARGET_TEXT)

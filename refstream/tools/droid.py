@@ -1,0 +1,140 @@
+"""Planner figures on a DROID-sized rank for ``refstream bench``: anchors/s, the worst resume
+fast-forward, an elastic resume and batch mixing, on synthetic episode lengths
+(:func:`droid_lengths`) without any video.
+
+Use::
+
+    figures = planner_figures(config, bytes_per_frame)   # config: a bench.BenchConfig
+    mixing = batch_mixing(episodes, frames, config, "pool", MIXING_BATCHES)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refstream import shard
+from refstream.planner import Planner
+from refstream.resume import Course, Order, Segment, delivered_by
+from refstream.stream import GIB
+
+if TYPE_CHECKING:
+    from refstream.tools.bench import BenchConfig
+
+__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "PlannerFigures", "Mixing"]
+
+DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
+DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
+PLANNER_TIMED_ANCHORS = 300_000  # anchors emitted to time the planner (a worker has ~1.7 M)
+MIXING_BATCHES = 2_000  # batches per worker compared for mixing on the DROID-sized rank
+
+
+def droid_lengths(count: int, seed: int) -> list[int]:
+    low, high = DROID_FRAME_RANGE
+    return np.random.default_rng(seed).integers(low, high + 1, size=count).tolist()
+
+
+@dataclass(frozen=True)
+class PlannerFigures:
+    rank_episodes: int
+    worker_anchors: int
+    setup_s: float  # rank share + worker shares + limits + the planner
+    anchors_per_s: float
+    resume_skip_s: float  # fast-forward to the worker's last anchor (the worst resume)
+    skip_anchors_per_s: float
+    elastic_ranks: tuple[int, int]  # resuming with another world size: old -> new
+    elastic_s: float  # replay of every old rank + planning the rest + one new worker's start
+    elastic_anchors: int  # anchors the old ranks delivered, all replayed
+
+
+def planner_figures(config: BenchConfig, bytes_per_frame: float) -> PlannerFigures:
+    """The planner of worker 0 of rank 0 of a DROID-sized dataset, and its elastic resume."""
+    frames = droid_lengths(config.droid_episodes, config.seed)
+    started = time.perf_counter()
+    workers = max(1, config.num_workers)
+    rank = shard.rank_share(list(range(len(frames))), frames, 0, config.droid_ranks)
+    part = shard.worker_shares(rank, [frames[e] for e in rank], workers)[0]
+    limits = shard.split_limits(workers, pool_size=config.pool_size, decoder_cache=None,
+                                byte_budget=int(config.budget_gb * GIB), cameras=config.cameras)
+    counts = [frames[e] for e in part]
+
+    def make() -> Planner:
+        return Planner(part, counts, seed=config.seed, epoch=0, rank=0, worker=0,
+                       pool_size=limits.pool_size, byte_budget=limits.byte_budget,
+                       byte_sizes=[int(n * bytes_per_frame) for n in counts])
+
+    planner = make()
+    setup_s = time.perf_counter() - started
+    timed = min(PLANNER_TIMED_ANCHORS, planner.remaining)
+    started = time.perf_counter()
+    for _ in range(timed):
+        next(planner)
+    emit_s = time.perf_counter() - started
+    planner = make()
+    skipped = planner.remaining - 1
+    started = time.perf_counter()
+    planner.skip(skipped)
+    skip_s = time.perf_counter() - started
+    elastic = elastic_figures(frames, config, bytes_per_frame)
+    return PlannerFigures(len(rank), sum(counts), setup_s, timed / emit_s, skip_s,
+                          skipped / skip_s if skip_s else 0.0, *elastic)
+
+
+def elastic_figures(frames: list[int], config: BenchConfig,
+                    bytes_per_frame: float) -> tuple[tuple[int, int], float, int]:
+    """Resume a checkpoint taken halfway through a finite epoch of ``droid_ranks`` ranks on
+    3/4 of them: the time a new rank needs before its first worker's first anchor."""
+    workers, batch = max(1, config.num_workers), config.batch_size
+    old, new = config.droid_ranks, max(1, config.droid_ranks * 3 // 4)
+    ids = tuple(range(len(frames)))
+    sizes = tuple(int(f * bytes_per_frame) for f in frames)
+    order = Order(ids, tuple(frames), seed=config.seed, strategy="pool",
+                  pool_size=config.pool_size, byte_budget=int(config.budget_gb * GIB),
+                  repeat=False, byte_sizes=sizes)
+    samples = sum(frames) // old // 2 // batch * batch
+    started = time.perf_counter()
+    delivered = delivered_by(order, 0, [Segment(old, workers, batch, samples)])
+    course = Course(order, delivered, new, workers, batch)
+    start = course.positions(0, 0)
+    planner = course.planner(0, 0, start.epochs[0], dict(zip(ids, sizes, strict=True)))
+    planner.skip(start.offsets[0])
+    next(planner)
+    return (old, new), time.perf_counter() - started, samples * old
+
+
+@dataclass(frozen=True)
+class Mixing:
+    strategy: str
+    batch_size: int
+    batches: int
+    mean_distinct: float  # distinct episodes per batch, refstream's plan
+    uniform_mean_distinct: float  # the same frames globally shuffled, same batch size
+
+
+def batch_mixing(episodes: list[int], frames: list[int], config: BenchConfig, strategy: str,
+                 max_batches: int | None) -> Mixing:
+    """Mean distinct episodes per DataLoader batch (every batch is one worker's ``batch_size``
+    consecutive anchors, no byte budget) vs a uniform shuffle of the same frames; full batches
+    only."""
+    workers = max(1, config.num_workers)
+    pool = shard.split_limits(workers, pool_size=config.pool_size, byte_budget=None,
+                              decoder_cache=None, cameras=config.cameras).pool_size
+    frames_of = dict(zip(episodes, frames, strict=True))
+    distinct: list[int] = []
+    for worker, share in enumerate(shard.worker_shares(episodes, frames, workers)):
+        planner = Planner(share, [frames_of[e] for e in share], seed=config.seed, epoch=0,
+                          rank=0, worker=worker, strategy=strategy, pool_size=pool)
+        full = planner.remaining // config.batch_size
+        for _ in range(full if max_batches is None else min(full, max_batches)):
+            batch = {next(planner)[0] for _ in range(config.batch_size)}
+            distinct.append(len(batch))
+    labels = np.repeat(np.asarray(episodes), np.asarray(frames))
+    shuffled = np.random.default_rng(config.seed).permutation(labels)
+    count = len(distinct)
+    usable = shuffled[: count * config.batch_size].reshape(count, config.batch_size)
+    uniform = [len(np.unique(b)) for b in usable]
+    return Mixing(strategy, config.batch_size, count, float(np.mean(distinct)),
+                  float(np.mean(uniform)))
