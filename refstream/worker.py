@@ -67,14 +67,14 @@ class _Episode:
 
 @dataclass
 class _Group:
-    """Samples made together, and the tensors their frames are decoded into."""
+    """Samples made together, their frame requests not yet decoded, and the tensors their
+    frames are decoded into."""
 
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
     leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
     anchors: list[tuple[int, int]] = field(default_factory=list)
     values: dict[str, list] = field(default_factory=dict)  # key -> one value per sample
-    requests: list[tuple] = field(default_factory=list)  # undecoded (slot, episode, camera,
-    #                                                      video, pts)
+    requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
     done: int = 0  # anchors gathered and decoded
 
 
