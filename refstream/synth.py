@@ -269,19 +269,19 @@ def synthesized_size(index: SampleIndex, span: Span) -> int:
     return len(index.ftyp or DEFAULT_FTYP) + moov + mdat_header + span.byte_length
 
 
-def _box(kind: bytes, *parts: bytes) -> bytes:
+def box(kind: bytes, *parts: bytes) -> bytes:
     body = b"".join(parts)
     return struct.pack(">I4s", 8 + len(body), kind) + body
 
 
-def _full(kind: bytes, version: int, flags: int, *parts: bytes) -> bytes:
-    return _box(kind, struct.pack(">I", version << 24 | flags), *parts)
+def full_box(kind: bytes, version: int, flags: int, *parts: bytes) -> bytes:
+    return box(kind, struct.pack(">I", version << 24 | flags), *parts)
 
 
-def _table(kind: bytes, dtype: str, *columns: np.ndarray) -> bytes:
+def table_box(kind: bytes, dtype: str, *columns: np.ndarray) -> bytes:
     """A full box holding a row count, then the rows of ``columns`` in ``dtype``."""
     rows = np.column_stack(columns).astype(dtype)
-    return _full(kind, 0, 0, struct.pack(">I", len(rows)), rows.tobytes())
+    return full_box(kind, 0, 0, struct.pack(">I", len(rows)), rows.tobytes())
 
 
 def synthesize_header(index: SampleIndex, span: Span) -> bytes:
@@ -292,35 +292,35 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     payload_at = len(ftyp) + moov_size + mdat_header
     timescale, duration = index.timescale, layout.edit_duration
 
-    mvhd = _full(b"mvhd", 1, 0, struct.pack(">QQIQ", 0, 0, timescale, duration),
+    mvhd = full_box(b"mvhd", 1, 0, struct.pack(">QQIQ", 0, 0, timescale, duration),
                  struct.pack(">IH10x", 0x10000, 0x100), IDENTITY_MATRIX, bytes(24),
                  struct.pack(">I", index.track_id + 1))
-    tkhd = _full(b"tkhd", 1, 3, struct.pack(">QQI4xQ8x", 0, 0, index.track_id, duration),
+    tkhd = full_box(b"tkhd", 1, 3, struct.pack(">QQI4xQ8x", 0, 0, index.track_id, duration),
                  struct.pack(">hhh2x", 0, 0, 0), IDENTITY_MATRIX,
                  struct.pack(">II", index.width << 16, index.height << 16))
-    elst = _full(b"elst", 1, 0, struct.pack(">IQqhh", 1, duration, layout.media_time, 1, 0))
-    mdhd = _full(b"mdhd", 1, 0, struct.pack(">QQIQHH", 0, 0, timescale, duration, 0x55C4, 0))
-    hdlr = _full(b"hdlr", 0, 0, struct.pack(">I4s12x", 0, b"vide"), HANDLER_NAME)
-    vmhd = _full(b"vmhd", 0, 1, bytes(8))
-    dinf = _box(b"dinf", _full(b"dref", 0, 0, struct.pack(">I", 1), _full(b"url ", 0, 1)))
+    elst = full_box(b"elst", 1, 0, struct.pack(">IQqhh", 1, duration, layout.media_time, 1, 0))
+    mdhd = full_box(b"mdhd", 1, 0, struct.pack(">QQIQHH", 0, 0, timescale, duration, 0x55C4, 0))
+    hdlr = full_box(b"hdlr", 0, 0, struct.pack(">I4s12x", 0, b"vide"), HANDLER_NAME)
+    vmhd = full_box(b"vmhd", 0, 1, bytes(8))
+    dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
 
-    tables = [_box(b"stsd", index.stsd), _table(b"stts", ">u4", *_runs(layout.durations))]
+    tables = [box(b"stsd", index.stsd), table_box(b"stts", ">u4", *_runs(layout.durations))]
     if np.any(layout.offsets != 0):
-        tables.append(_table(b"ctts", ">u4", *_runs(layout.offsets)))
+        tables.append(table_box(b"ctts", ">u4", *_runs(layout.offsets)))
     if len(layout.sync) < len(layout.sizes):
-        tables.append(_table(b"stss", ">u4", layout.sync))
-    tables.append(_full(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))
-    tables.append(_full(b"stsz", 0, 0, struct.pack(">II", 0, len(layout.sizes)),
+        tables.append(table_box(b"stss", ">u4", layout.sync))
+    tables.append(full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))
+    tables.append(full_box(b"stsz", 0, 0, struct.pack(">II", 0, len(layout.sizes)),
                         layout.sizes.astype(">u4").tobytes()))
     chunk_offsets = payload_at + layout.relative
     if width == 4:
-        tables.append(_table(b"stco", ">u4", chunk_offsets))
+        tables.append(table_box(b"stco", ">u4", chunk_offsets))
     else:
-        tables.append(_table(b"co64", ">u8", chunk_offsets))
+        tables.append(table_box(b"co64", ">u8", chunk_offsets))
 
-    minf = _box(b"minf", vmhd, dinf, _box(b"stbl", *tables))
-    trak = _box(b"trak", tkhd, _box(b"edts", elst), _box(b"mdia", mdhd, hdlr, minf))
-    moov = _box(b"moov", mvhd, trak)
+    minf = box(b"minf", vmhd, dinf, box(b"stbl", *tables))
+    trak = box(b"trak", tkhd, box(b"edts", elst), box(b"mdia", mdhd, hdlr, minf))
+    moov = box(b"moov", mvhd, trak)
     assert len(moov) == moov_size, "synthesized_size and synthesize disagree"
     if mdat_header == 8:
         mdat = struct.pack(">I4s", 8 + span.byte_length, b"mdat")

@@ -46,6 +46,7 @@ from refstream.errors import RefstreamError, UsageError
 from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
 from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, cache_folder
 from refstream.stats import STATS_PATH
+from refstream.synth import HANDLER_NAME, IDENTITY_MATRIX, box, full_box, table_box
 from refstream.tools import bench, demo
 from refstream.tools.bench import MB, Target, droid_lengths, kib_fields
 
@@ -67,7 +68,6 @@ MOVIE_TIMESCALE = 1000  # FFmpeg's mvhd timescale
 # av1C of SVT-AV1's main-profile 8-bit 4:2:0 320x180 stream (version/profile bytes + the
 # sequence header OBU), as FFmpeg writes it into the av01 sample entry.
 AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
-MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)  # identity
 FACTS = "simulation.json"  # write_simulation's facts, beside meta/
 HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
 TRACED_FRAMES = 64  # deep enough that numpy's allocations still show the sidecar frame calling
@@ -90,21 +90,6 @@ TARGETS = {  # key: (text, the most the measured value may be)
 # --- the sparse MP4 ---------------------------------------------------------------------------
 
 
-def _box(kind: bytes, *parts: bytes) -> bytes:
-    body = b"".join(parts)
-    return struct.pack(">I4s", 8 + len(body), kind) + body
-
-
-def _full(kind: bytes, flags: int, *parts: bytes) -> bytes:
-    return _box(kind, struct.pack(">I", flags), *parts)  # a full box, version 0
-
-
-def _table(kind: bytes, rows: np.ndarray, *head: int) -> bytes:
-    """A full box of big-endian uint32 ``head`` fields, the row count, then the rows."""
-    return _full(kind, 0, struct.pack(f">{len(head) + 1}I", *head, len(rows)),
-                 np.ascontiguousarray(rows, ">u4").tobytes())
-
-
 def _moov(sizes: np.ndarray, keyframe: np.ndarray, payload_at: int, fps: int) -> bytes:
     ticks = 1  # per frame
     while fps * ticks < MIN_TIMESCALE:
@@ -117,24 +102,26 @@ def _moov(sizes: np.ndarray, keyframe: np.ndarray, payload_at: int, fps: int) ->
         chunks.append(max(chunks[-1] + 1, int(np.searchsorted(ends, at[chunks[-1]] + CHUNK_LIMIT))))
     per_chunk = np.diff(chunks)
     changes = np.flatnonzero(np.diff(per_chunk, prepend=0))  # stsc: where the count changes
-    entry = _box(b"av01", struct.pack(">6xH16xHHII4xH32xHh", 1, WIDTH, HEIGHT, 0x480000,
-                                      0x480000, 1, 0x18, -1), _box(b"av1C", AV1C_320X180))
-    stbl = _box(b"stbl", _full(b"stsd", 0, struct.pack(">I", 1), entry),
-                _table(b"stts", np.array([[count, ticks]])),
-                _table(b"stss", np.flatnonzero(keyframe) + 1),
-                _table(b"stsc", np.stack([changes + 1, per_chunk[changes], changes * 0 + 1], 1)),
-                _table(b"stsz", sizes, 0), _table(b"stco", payload_at + at[chunks[:-1]]))
-    dinf = _box(b"dinf", _full(b"dref", 0, struct.pack(">I", 1), _full(b"url ", 1)))
-    mdia = _box(b"mdia", _full(b"mdhd", 0, struct.pack(">4IHH", 0, 0, fps * ticks, count * ticks,
-                                                        0x55C4, 0)),
-                _full(b"hdlr", 0, struct.pack(">I4s12x", 0, b"vide"), b"VideoHandler\0"),
-                _box(b"minf", _full(b"vmhd", 1, bytes(8)), dinf, stbl))
-    tkhd = _full(b"tkhd", 3, struct.pack(">5I8x4H", 0, 0, 1, 0, movie_ticks, 0, 0, 0, 0), MATRIX,
-                 struct.pack(">II", WIDTH << 16, HEIGHT << 16))
-    edts = _box(b"edts", _table(b"elst", np.array([[movie_ticks, 0, 0x10000]])))
-    mvhd = _full(b"mvhd", 0, struct.pack(">5IH10x", 0, 0, MOVIE_TIMESCALE, movie_ticks, 0x10000,
-                                         0x100), MATRIX, struct.pack(">24xI", 2))
-    return _box(b"moov", mvhd, _box(b"trak", tkhd, edts, mdia))
+    entry = box(b"av01", struct.pack(">6xH16xHHII4xH32xHh", 1, WIDTH, HEIGHT, 0x480000,
+                                     0x480000, 1, 0x18, -1), box(b"av1C", AV1C_320X180))
+    stbl = box(b"stbl", full_box(b"stsd", 0, 0, struct.pack(">I", 1), entry),
+               table_box(b"stts", ">u4", [count], [ticks]),
+               table_box(b"stss", ">u4", np.flatnonzero(keyframe) + 1),
+               table_box(b"stsc", ">u4", changes + 1, per_chunk[changes], changes * 0 + 1),
+               full_box(b"stsz", 0, 0, struct.pack(">II", 0, count), sizes.astype(">u4").tobytes()),
+               table_box(b"stco", ">u4", payload_at + at[chunks[:-1]]))
+    dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
+    mdia = box(b"mdia", full_box(b"mdhd", 0, 0, struct.pack(">4IHH", 0, 0, fps * ticks,
+                                                            count * ticks, 0x55C4, 0)),
+               full_box(b"hdlr", 0, 0, struct.pack(">I4s12x", 0, b"vide"), HANDLER_NAME),
+               box(b"minf", full_box(b"vmhd", 0, 1, bytes(8)), dinf, stbl))
+    tkhd = full_box(b"tkhd", 0, 3, struct.pack(">5I8x4H", 0, 0, 1, 0, movie_ticks, 0, 0, 0, 0),
+                    IDENTITY_MATRIX, struct.pack(">II", WIDTH << 16, HEIGHT << 16))
+    edts = box(b"edts", table_box(b"elst", ">u4", [movie_ticks], [0], [0x10000]))
+    mvhd = full_box(b"mvhd", 0, 0, struct.pack(">5IH10x", 0, 0, MOVIE_TIMESCALE, movie_ticks,
+                                               0x10000, 0x100), IDENTITY_MATRIX,
+                    struct.pack(">24xI", 2))
+    return box(b"moov", mvhd, box(b"trak", tkhd, edts, mdia))
 
 
 def write_sparse_mp4(path: Path, sizes: np.ndarray, keyframe: np.ndarray, fps: int) -> np.ndarray:
@@ -142,7 +129,7 @@ def write_sparse_mp4(path: Path, sizes: np.ndarray, keyframe: np.ndarray, fps: i
     ``keyframe``, one frame each at ``fps``) and whose mdat payload is a hole; returns each
     sample's absolute file offset."""
     sizes = np.asarray(sizes, np.int64)
-    ftyp = _box(b"ftyp", b"isom", struct.pack(">I", 0x200), b"isomav01iso2mp41")
+    ftyp = box(b"ftyp", b"isom", struct.pack(">I", 0x200), b"isomav01iso2mp41")
     payload_at = len(ftyp) + len(_moov(sizes, keyframe, 0, fps)) + 8  # moov's size: any offsets
     with open(path, "wb") as out:
         out.write(ftyp + _moov(sizes, keyframe, payload_at, fps)
