@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -83,13 +83,13 @@ _ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="
                     "workers)")
 
 
-def _command(subparsers, name: str, help_text: str,
+def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Namespace], int],
              parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
-    """A sub-command's parser: its options' defaults in its help, ``-v``, and its own usage
-    when an option is wrong."""
+    """A sub-command's parser, run by ``run``: its options' defaults in its help, ``-v``, and
+    its own usage when an option is wrong."""
     parser = subparsers.add_parser(name, help=help_text, description=help_text,
                                    formatter_class=_Formatter, parents=[_COMMON, *parents])
-    parser.set_defaults(parser=parser)
+    parser.set_defaults(parser=parser, run=run)
     return parser
 
 
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_conformance(subparsers) -> None:
-    p = _command(subparsers, "conformance", "run the spec fixtures against an implementation")
+    p = _command(subparsers, "conformance", "run the spec fixtures against an implementation",
+                 run_conformance)
     p.add_argument("--impl", help="implementation command, run once per case inside the fixtures "
                    "folder (default: refstream itself, in-process)")
     p.add_argument("--kind", help="only cases of this kind")
     p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source (needed "
                    "when refstream is installed: the fixtures are not part of the package)")
-    p.set_defaults(run=run_conformance)
 
 
 def run_conformance(args) -> int:
@@ -157,11 +157,10 @@ def run_conformance(args) -> int:
 
 def add_demo(subparsers) -> None:
     p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
-                 "stream one epoch and verify every frame", [_LOADER])
+                 "stream one epoch and verify every frame", run_demo, [_LOADER])
     p.add_argument("--keep", "--workdir", dest="workdir", metavar="DIR",
                    help="write the dataset into DIR and keep it (default: a temporary folder, "
                    "removed at the end)")
-    p.set_defaults(run=run_demo)
 
 
 def run_demo(args) -> int:
@@ -177,7 +176,7 @@ def run_demo(args) -> int:
 
 def add_stream(subparsers) -> None:
     p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it",
-                 [_ORDER, _LOADER])
+                 run_stream, [_ORDER, _LOADER])
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
     p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
     p.add_argument("--delta-timestamps", metavar="JSON",
@@ -192,7 +191,6 @@ def add_stream(subparsers) -> None:
     p.add_argument("--uint8", dest="return_uint8", action="store_true",
                    help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(run=run_stream)
 
 
 # The stream options that are StreamingDataset arguments of the same name.
@@ -225,14 +223,13 @@ def run_stream(args) -> int:
 
 def add_plan(subparsers) -> None:
     p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order",
-                 [_ORDER])
+                 run_plan, [_ORDER])
     p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
     p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
     p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
     p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=run_plan)
 
 
 def run_plan(args) -> int:
@@ -301,13 +298,12 @@ def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size:
 
 
 def add_index(subparsers) -> None:
-    p = _command(subparsers, "index", "build or refresh the video index of a dataset")
+    p = _command(subparsers, "index", "build or refresh the video index of a dataset", run_index)
     p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--output", help="also write the publishable index here; a maintainer "
                    "uploads it to the dataset as meta/refstream-index.npz")
     p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(run=run_index)
 
 
 def run_index(args) -> int:
@@ -363,12 +359,11 @@ def export_index(index: VideoIndex, output: str | Path) -> Path:
 
 def add_inspect(subparsers) -> None:
     p = _command(subparsers, "inspect",
-                 "show an MP4's boxes, video track, edit list, GOPs and sample table")
+                 "show an MP4's boxes, video track, edit list, GOPs and sample table", run_inspect)
     p.add_argument("file", help="a local MP4 file")
     p.add_argument("--json", action="store_true",
                    help="print everything as JSON, with the whole sample table in decode order")
     p.add_argument("--head", type=int, default=10, help="sample table rows shown")
-    p.set_defaults(run=run_inspect)
 
 
 def run_inspect(args) -> int:
@@ -414,13 +409,13 @@ def run_inspect(args) -> int:
 
 def add_doctor(subparsers) -> None:
     p = _command(subparsers, "doctor",
-                 "check a dataset before training on it (exit 0: safe to train, 1: not)")
+                 "check a dataset before training on it (exit 0: safe to train, 1: not)",
+                 run_doctor)
     p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=run_doctor)
 
 
 def run_doctor(args) -> int:
@@ -446,7 +441,7 @@ def run_doctor(args) -> int:
 def add_bench(subparsers) -> None:
     p = _command(subparsers, "bench",
                  "measure refstream side by side with map-style reading, download-then-read "
-                 "and the decode ceiling")
+                 "and the decode ceiling", run_bench)
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
     p.add_argument("--quick", action="store_true",
                    help="a tiny configuration that runs in seconds")
@@ -472,7 +467,6 @@ def add_bench(subparsers) -> None:
                    help="instead: index build, construction and worker memory on a DROID-sized "
                         "simulation (sparse videos: no sample can be decoded from it); uses "
                         "--quick, --episodes, --num-workers and --json")
-    p.set_defaults(run=run_bench)
 
 
 def _bench_default(text: str, *fields: str):
