@@ -1,5 +1,6 @@
-"""refstream's answers to the conformance kinds (``spec/README.md``): one function per kind,
-each mapping a case's ``input`` to its answer, and :func:`answer`, which the runner calls.
+"""refstream's answers to the conformance kinds (``spec/README.md``): ``kind_NAME`` maps the
+``input`` of a case of kind NAME (defined where SPEC says ``kind NAME``) to its answer, and
+:func:`answer`, which the runner calls, picks the function.
 
 Inputs arrive in the protocol's encoding (``spec/README.md``, "Encoding"): the adapters decode
 the 64-bit fields written as decimal strings (:func:`decode_u64`, :func:`decode_label`) before
@@ -88,7 +89,6 @@ def decode_label(label):
 
 
 def kind_rng(case: dict) -> dict:
-    """Kind ``rng`` (SPEC §1.4)."""
     seed = decode_u64(case["seed"])
     key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
     indices = [decode_u64(i) for i in case["indices"]]
@@ -99,7 +99,6 @@ def kind_rng(case: dict) -> dict:
 
 
 def kind_shard(case: dict) -> dict:
-    """Kind ``shard`` (SPEC §2.4)."""
     ids, frames = case["episodes"], case["frames"]
     count = dict(zip(ids, frames, strict=True))
     # max(1, …): a world size of 0 reaches rank_share, which refuses it (SPEC §2.2).
@@ -112,7 +111,6 @@ def kind_shard(case: dict) -> dict:
 
 
 def kind_limits(case: dict) -> dict:
-    """Kind ``limits`` (SPEC §2.4)."""
     limits = split_limits(case["num_workers"], pool_size=case["pool_size"],
                           byte_budget=case["byte_budget"], decoder_cache=case["decoder_cache"],
                           cameras=case["cameras"])
@@ -120,7 +118,6 @@ def kind_limits(case: dict) -> dict:
 
 
 def kind_plan(case: dict) -> dict:
-    """Kind ``plan`` (SPEC §3.8)."""
     planner = Planner(case["episodes"], case["frames"], seed=decode_u64(case["seed"]),
                       epoch=case["epoch"], rank=case["rank"], worker=case["worker"],
                       strategy=case["strategy"], pool_size=case["pool_size"],
@@ -134,13 +131,11 @@ def kind_plan(case: dict) -> dict:
 
 
 def kind_batches_per_worker(case: dict) -> dict:
-    """Kind ``batches_per_worker`` (SPEC §3.8)."""
     counts, next_worker = resume.batches_per_worker(case["batches"], case["limits"])
     return {"counts": counts, "next": next_worker}
 
 
 def kind_resume(case: dict) -> dict:
-    """Kind ``resume`` (SPEC §3.8)."""
     positions = resume.resume_positions(case["worker_frames"], case["batch_size"],
                                         epoch=case["epoch"], samples=case["samples"],
                                         repeat=case["repeat"],
@@ -150,7 +145,6 @@ def kind_resume(case: dict) -> dict:
 
 
 def kind_epoch_batches(case: dict) -> dict:
-    """Kind ``epoch_batches`` (SPEC §3.8)."""
     return {"batches": resume.epoch_batches(case["world_worker_frames"], case["batch_size"])}
 
 
@@ -249,7 +243,6 @@ def _case_file(description: dict) -> bytes:
 
 
 def kind_windows(case: dict) -> dict:
-    """Kind ``windows`` (SPEC §5.3)."""
     windows = make_windows(case["delta_timestamps"], case["fps"], case["tolerance_s"],
                            feature_keys=case.get("feature_keys"))
     rows: dict[str, list] = {key: [] for key in windows.offsets}
@@ -264,13 +257,11 @@ def kind_windows(case: dict) -> dict:
 
 
 def kind_range_response(case: dict) -> dict:
-    """Kind ``range_response`` (SPEC §8.7)."""
     decision = _judge(case, first_last=(case["first"], case["last"]))
     return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size"))
 
 
 def kind_suffix_response(case: dict) -> dict:
-    """Kind ``suffix_response`` (SPEC §8.7)."""
     decision = _judge(case, suffix=case["length"])
     return _decision_answer(decision, ("body_bytes", "skip_bytes", "file_size", "answer_bytes"))
 
@@ -295,7 +286,6 @@ def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...
 
 
 def kind_hf_url(case: dict) -> dict:
-    """Kind ``hf_url`` (SPEC §8.7)."""
     hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
     api_url = hf.revision_api_url(endpoint)
     commit = case["commit"] if api_url is not None else hf.revision
@@ -305,7 +295,6 @@ def kind_hf_url(case: dict) -> dict:
 
 
 def kind_row_group_candidates(case: dict) -> dict:
-    """Kind ``row_group_candidates`` (SPEC §8.7)."""
     stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
     return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
 
@@ -337,7 +326,6 @@ def kind_budget_ops(case: dict) -> dict:
 
 
 def kind_frame_select(case: dict) -> dict:
-    """Kind ``frame_select`` (SPEC §10.8)."""
     num, den = case["time_base"]
     pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
     chosen = select_frames(pts_ticks * num, den, np.array(case["times_s"], dtype=np.float64),
@@ -346,7 +334,6 @@ def kind_frame_select(case: dict) -> dict:
 
 
 def kind_sidecar_record(case: dict) -> dict:
-    """Kind ``sidecar_record`` (SPEC §10.2)."""
     fields = case["index"]
     identity = case.get("identity")
     if identity is None:  # the identity of a local file of that size and mtime
@@ -375,7 +362,6 @@ def _media_index(case_input: dict):
 
 
 def kind_mp4_index(case_input: dict) -> dict:
-    """Kind ``mp4_index`` (SPEC §6.6)."""
     index = _media_index(case_input)
     return {
         "codec": index.codec, "width": index.width, "height": index.height,
@@ -387,7 +373,6 @@ def kind_mp4_index(case_input: dict) -> dict:
 
 
 def kind_span(case_input: dict) -> dict:
-    """Kind ``span`` (SPEC §7.3)."""
     index = _media_index(case_input)
     times = case_input.get("request_times_s")
     request_times_s = None if times is None else np.asarray(times, float)
@@ -399,7 +384,6 @@ def kind_span(case_input: dict) -> dict:
 
 
 def kind_synth(case_input: dict) -> dict:
-    """Kind ``synth`` (SPEC §7.3)."""
     index = _media_index(case_input)
     span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
     with open(case_input["file"], "rb") as f:
@@ -410,7 +394,6 @@ def kind_synth(case_input: dict) -> dict:
 
 
 def kind_doctor_tiling(case: dict) -> dict:
-    """Kind ``doctor_tiling`` (SPEC §11.3)."""
     tiling = episode_tiling(*(np.asarray(case[k], np.int64)
                               for k in ("episode_index", "from_index", "to_index")),
                             int(case["total_frames"]))
@@ -420,7 +403,6 @@ def kind_doctor_tiling(case: dict) -> dict:
 
 
 def kind_doctor_requests(case: dict) -> dict:
-    """Kind ``doctor_requests`` (SPEC §11.5)."""
     times_s = np.asarray(case["times_s"], np.float64)
     served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
                              float(case["tolerance_s"]))

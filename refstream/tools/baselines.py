@@ -4,10 +4,10 @@ baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot 
 
 ``MapStyleVideoDataset(root, delta_timestamps)``
     A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
-    backend: rows loaded from Parquet up front; per item and camera, open the source MP4, seek to
-    the keyframe at or before the window, decode forward converting every frame to RGB, keep the
-    nearest frame per time (:func:`decode_like_lerobot`). Items carry
-    ``bench.decoded_frames`` so the bench can count decodes.
+    backend: every data Parquet file read into numpy arrays up front (as LeRobot loads its Arrow
+    tables); per item, the anchor's rows and windows by LeRobot's rule (``refstream.windows``)
+    and, per camera, :func:`decode_like_lerobot`. Items carry ``bench.decoded_frames`` (int64)
+    so the bench can count decodes.
 
 ``decode_ceiling(root, meta, processes)`` -> :class:`Ceiling`
     Sequential PyAV decode of every episode of every camera, converting each frame to RGB the way
@@ -54,8 +54,7 @@ def cpu_seconds() -> float:
 
 def decode_like_lerobot(path: str, times_s: np.ndarray,
                         tolerance_s: float) -> tuple[np.ndarray, int]:
-    """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded.
-
+    """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded, as
     LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
     keyframe at or before the first time, decode forward converting every frame to RGB until one
     is at or past the last time, then take the nearest frame per time (error beyond tolerance).
@@ -81,13 +80,7 @@ def decode_like_lerobot(path: str, times_s: np.ndarray,
 
 
 class MapStyleVideoDataset:
-    """A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with ``pyav`` video.
-
-    Rows: every data Parquet file is read into numpy arrays when the dataset is made (LeRobot
-    loads its Arrow tables up front too). Items: the anchor's rows and windows by LeRobot's rule
-    (``refstream.windows``), each camera decoded per item by :func:`decode_like_lerobot`; every
-    item also carries ``bench.decoded_frames`` (int64) so the bench can count decodes.
-    """
+    """The map-style baseline (module docstring)."""
 
     def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]],
                  tolerance_s: float = TOLERANCE_S) -> None:
@@ -142,9 +135,8 @@ class MapStyleVideoDataset:
 
 
 def _decode_jobs(jobs: list[tuple[str, float, float]]) -> tuple[int, int, float, float]:
-    """Decode each ``(path, from_s, to_s)`` episode sequentially, converting its frames to RGB
-    the way ``refstream.decode`` does (one reused single-threaded rgb24 converter): (episode
-    frames, decoded frames, decode seconds, RGB conversion seconds)."""
+    """Decode and convert each ``(path, from_s, to_s)`` episode as :func:`decode_ceiling` does:
+    (episode frames, decoded frames, decode seconds, RGB conversion seconds)."""
     episode_frames = decoded = 0
     decode_s = rgb_s = 0.0
     converter = VideoReformatter()
@@ -190,8 +182,8 @@ class Ceiling:
 
 
 def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
-    """Sequential PyAV decode of every episode of every camera, episodes dealt round-robin to
-    ``processes`` processes (the DataLoader's worker count; at least one)."""
+    """The ceiling (module docstring), episodes dealt round-robin to the processes (the
+    DataLoader's worker count; at least one)."""
     jobs = [(str(root / meta.video_relpath(int(e), camera)),
              float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
             for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]
