@@ -7,11 +7,10 @@
 episode is encoded as its own video with PyAV and the episodes of a file are concatenated packet
 by packet, each starting at the previous one's ``to_timestamp``.
 
-Every frame carries its label (:func:`frame_picture`): 4 × 3 flat grey blocks, the top row the
-episode id and the middle row the frame index, each as four base-8 digits, digit ``d`` at grey
-level ``24 + 28·d``; odd frames are inverted and the bottom row marks the parity, so every block
-changes from one frame to the next. Flat blocks survive lossy coding; :func:`read_frame_label`
-reads them back or refuses the frame. Rows follow the LeRobot oracle's convention:
+Every frame carries its label (:func:`frame_picture`, flat grey blocks laid out as the
+``LABEL_*`` constants say): the top row the episode id, the middle row the frame index. Flat
+blocks survive lossy coding; :func:`read_frame_label` reads them back or refuses the frame. Rows
+follow the LeRobot oracle's convention:
 ``observation.state[0] = episode``, ``observation.state[1] = frame``, ``action = episode +
 frame / 1000`` (float32), task ``TASKS[episode % 2]``.
 
@@ -283,11 +282,6 @@ def fixed_size_lists(values: np.ndarray) -> pa.Array:
     return array
 
 
-def _rows_table(rows: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
-    return pa.Table.from_arrays([fixed_size_lists(rows[name]) for name in schema.names],
-                                schema=schema)
-
-
 def _tasks_table() -> pa.Table:
     """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape)."""
     pandas_metadata = {
@@ -343,9 +337,9 @@ def write_demo_dataset(root: str | os.PathLike, *,
     rows = [_episode_rows(e, n, int(first_index[e]), fps) for e, n in enumerate(lengths)]
 
     _write_data(root, rows, data_files, features)
-    video_times = _write_videos(root, lengths, sizes, fps, codec,
-                                _encoder_options(codec, gop, bframes), video_files)
-    _write_episodes(root, lengths, first_index, rows, data_files, video_files, video_times, sizes)
+    _write_videos(root, lengths, sizes, fps, codec, _encoder_options(codec, gop, bframes),
+                  video_files)
+    _write_episodes(root, lengths, fps, first_index, rows, data_files, video_files, sizes)
     pq.write_table(_tasks_table(), root / "meta" / "tasks.parquet")
     _write_info_and_stats(root, features, fps, lengths, rows, sizes)
 
@@ -382,16 +376,13 @@ def _write_data(root: Path, rows: list[dict], data_files: list[tuple[int, int]],
         with pq.ParquetWriter(path, schema, compression="snappy") as writer:
             for episode, placed in enumerate(data_files):
                 if placed == chunk_file:
-                    writer.write_table(_rows_table(rows[episode], schema))
+                    columns = [fixed_size_lists(rows[episode][name]) for name in schema.names]
+                    writer.write_table(pa.Table.from_arrays(columns, schema=schema))
 
 
 def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, int]], fps: int,
-                  codec: str, options: dict[str, str],
-                  video_files: list[tuple[int, int]]) -> dict[str, list[tuple[float, float]]]:
-    """Encode and concatenate; return each camera's per-episode (from_s, to_s)."""
-    times: dict[str, list[tuple[float, float]]] = {}
+                  codec: str, options: dict[str, str], video_files: list[tuple[int, int]]) -> None:
     for camera, (width, height) in sizes.items():
-        times[camera] = []
         for chunk_file in sorted(set(video_files)):
             members = [e for e, placed in enumerate(video_files) if placed == chunk_file]
             videos = [
@@ -402,18 +393,16 @@ def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, in
             path = root / VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0],
                                             file_index=chunk_file[1])
             _concatenate(videos, [lengths[e] for e in members], fps, path)
-            from_s = 0.0
-            for e in members:
-                to_s = from_s + lengths[e] / fps
-                times[camera].append((from_s, to_s))
-                from_s = to_s
-    return times
 
 
-def _write_episodes(root: Path, lengths: list[int], first_index: np.ndarray, rows: list[dict],
-                    data_files: list[tuple[int, int]], video_files: list[tuple[int, int]],
-                    video_times: dict[str, list[tuple[float, float]]],
-                    sizes: dict[str, tuple[int, int]]) -> None:
+def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.ndarray,
+                    rows: list[dict], data_files: list[tuple[int, int]],
+                    video_files: list[tuple[int, int]], sizes: dict[str, tuple[int, int]]) -> None:
+    # Each episode's (from_s, to_s) in its video file: it starts where the previous one ended.
+    times = []
+    for e, placed in enumerate(video_files):
+        from_s = times[-1][1] if e and video_files[e - 1] == placed else 0.0
+        times.append((from_s, from_s + lengths[e] / fps))
     columns: dict[str, list] = {
         "episode_index": list(range(len(lengths))),
         "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],
@@ -426,8 +415,8 @@ def _write_episodes(root: Path, lengths: list[int], first_index: np.ndarray, row
     for camera in sizes:
         columns[f"videos/{camera}/chunk_index"] = [c for c, _ in video_files]
         columns[f"videos/{camera}/file_index"] = [f for _, f in video_files]
-        columns[f"videos/{camera}/from_timestamp"] = [t[0] for t in video_times[camera]]
-        columns[f"videos/{camera}/to_timestamp"] = [t[1] for t in video_times[camera]]
+        columns[f"videos/{camera}/from_timestamp"] = [t[0] for t in times]
+        columns[f"videos/{camera}/to_timestamp"] = [t[1] for t in times]
     per_episode = [_episode_stats(r, sizes) for r in rows]
     for name in per_episode[0]:
         for stat in per_episode[0][name]:
