@@ -363,13 +363,9 @@ def _media_index(case_input: dict):
 
 def kind_mp4_index(case_input: dict) -> dict:
     index = _media_index(case_input)
-    return {
-        "codec": index.codec, "width": index.width, "height": index.height,
-        "track_id": index.track_id, "timescale": index.timescale,
-        "pts": index.pts.tolist(), "dts": index.dts.tolist(),
-        "duration": index.duration.tolist(), "size": index.size.tolist(),
-        "offset": index.offset.tolist(), "keyframe": index.keyframe.tolist(),
-    }  # fmt: skip
+    scalars = ("codec", "width", "height", "track_id", "timescale")
+    return ({name: getattr(index, name) for name in scalars}
+            | {name: getattr(index, name).tolist() for name in ARRAY_FIELDS})
 
 
 def kind_span(case_input: dict) -> dict:

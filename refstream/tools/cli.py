@@ -9,6 +9,7 @@ was raised inside a DataLoader worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -239,11 +240,8 @@ def run_plan(args) -> int:
     chosen = _episode_ids(args.episodes)
     if args.limit < 0:
         raise UsageError(f"--limit must be 0 (all) or positive, got {args.limit}")
-    source = open_source(args.root)
-    try:
+    with contextlib.closing(open_source(args.root)) as source:
         meta = load_meta(source)
-    finally:
-        source.close()
     ids = select_episodes(meta, chosen)
     summary = _plan_summary(
         ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
@@ -428,11 +426,9 @@ def run_doctor(args) -> int:
     except RefstreamError as exc:  # e.g. the Hub does not know the revision
         report = unreadable(args.root, exc)
     else:
-        try:
+        with contextlib.closing(source):
             report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
                                    progress=False if args.no_progress else None)
-        finally:
-            source.close()
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 

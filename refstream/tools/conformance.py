@@ -1,9 +1,8 @@
 """Run the golden fixtures in ``spec/fixtures`` against an implementation.
 
-The protocol, the encoding and the case format are in ``spec/README.md``, the kinds in
-``spec/SPEC.md``: an implementation is a command, started once per case inside the fixtures
-folder, reading ``{"kind", "input"}`` on stdin and writing its answer as one JSON object; the
-answer passes when it equals the case's ``expected`` (:func:`first_difference`).
+The protocol (an implementation is a command run once per case), the encoding and the case
+format are in ``spec/README.md``, the kinds in ``spec/SPEC.md``; an answer passes when it equals
+the case's ``expected`` (:func:`first_difference`).
 
 refstream's own adapter (``python -m refstream.tools.conformance``) is the default; with no
 ``--impl`` the runner calls the same adapters in-process (:func:`in_process`), through the same
