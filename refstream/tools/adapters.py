@@ -374,9 +374,8 @@ def kind_span(case_input: dict) -> dict:
     request_times_s = None if times is None else np.asarray(times, float)
     span = select_span(index, case_input["from_s"], case_input["to_s"],
                        case_input["tolerance_s"], request_times_s)  # fmt: skip
-    return {"sample_lo": span.sample_lo, "sample_hi": span.sample_hi,
-            "byte_offset": span.byte_offset, "byte_length": span.byte_length,
-            "start_pts": span.start_pts}  # fmt: skip
+    fields = ("sample_lo", "sample_hi", "byte_offset", "byte_length", "start_pts")
+    return {name: getattr(span, name) for name in fields}
 
 
 def kind_synth(case_input: dict) -> dict:

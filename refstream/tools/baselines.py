@@ -82,12 +82,10 @@ def decode_like_lerobot(path: str, times_s: np.ndarray,
 class MapStyleVideoDataset:
     """The map-style baseline (module docstring)."""
 
-    def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]],
-                 tolerance_s: float = TOLERANCE_S) -> None:
+    def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]]) -> None:
         self.root = Path(root)
         self.meta = load_meta(LocalSource(self.root))
-        self.tolerance_s = tolerance_s
-        self.windows = make_windows(delta_timestamps, self.meta.fps, tolerance_s,
+        self.windows = make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
                                     feature_keys=self.meta.features)
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
         table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
@@ -121,7 +119,7 @@ class MapStyleVideoDataset:
             times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
                 first + rows].astype(np.float64)
             pixels, count = decode_like_lerobot(
-                str(self.root / meta.video_relpath(episode, camera)), times_s, self.tolerance_s)
+                str(self.root / meta.video_relpath(episode, camera)), times_s, TOLERANCE_S)
             decoded += count
             item[camera] = torch.from_numpy(pixels if len(rows) > 1 else pixels[0])
             if camera in self.windows.offsets:

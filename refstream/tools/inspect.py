@@ -51,11 +51,8 @@ def _subtree(data: bytes, parent: Box, path: str, depth: int) -> list[tuple[int,
 
 
 def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
-    """A JSON-ready report of one file: box tree, video track, edit list, GOPs, sample table.
-
-    The sample table holds every sample in decode order (ticks of ``timescale``); each GOP is
-    a keyframe and the samples up to the next one.
-    """
+    """The JSON-ready report of one file; its sample table holds every sample in decode order
+    (ticks of ``timescale``), and each GOP is a keyframe and the samples up to the next one."""
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     tree = box_tree(read_range, file_size, path, moov, moov_bytes)
     index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
