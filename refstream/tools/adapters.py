@@ -70,9 +70,8 @@ _DECIMAL = re.compile(r"-?[0-9]+")
 
 
 def decode_u64(value):
-    """A 64-bit field: a decimal string is that integer and null stays null (no value given).
-    Any other JSON value stands for a value that is not an integer — a number for its binary64
-    value — and is handed on unchanged, for the rule under test to refuse."""
+    """A 64-bit field (``spec/README.md``, "Encoding"): a decimal string is that integer; any
+    other value is handed on (a number as its binary64 value) for the rule under test to refuse."""
     if isinstance(value, str) and _DECIMAL.fullmatch(value):
         return int(value)
     if isinstance(value, int | float) and not isinstance(value, bool):

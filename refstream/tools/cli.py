@@ -243,14 +243,13 @@ def run_plan(args) -> int:
     with contextlib.closing(open_source(args.root)) as source:
         meta = load_meta(source)
     ids = select_episodes(meta, chosen)
-    summary = _plan_summary(
+    s = _plan_summary(
         ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
         num_workers=args.num_workers, seed=args.seed, epoch=args.epoch,
         strategy=args.sampling_strategy, pool_size=args.episode_pool_size, limit=args.limit)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(s))
         return 0
-    s = summary
     print(f"{args.root}: {s['episodes']} episodes, {s['frames']} frames; world size "
           f"{s['world_size']}, rank {s['rank']}, {s['num_workers']} worker(s), seed {s['seed']}, "
           f"epoch {s['epoch']}, {s['strategy']}, pool {s['pool_size']} per worker")

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest import mock
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -744,18 +745,9 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
                                  batch_size, progress)
 
 
-@contextlib.contextmanager
-def environment(name: str, value: str) -> Iterator[None]:
+def environment(name: str, value: str) -> contextlib.AbstractContextManager:
     """The environment variable ``name`` set to ``value`` until the block exits."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+    return mock.patch.dict(os.environ, {name: value})
 
 
 def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: list[Path],
