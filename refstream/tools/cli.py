@@ -101,7 +101,6 @@ def one_line(exc: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``refstream`` parser with every sub-command."""
     parser = argparse.ArgumentParser(
         prog="refstream", description="Stream LeRobot v3 datasets (a folder, an http(s):// URL "
         "or hf://datasets/OWNER/NAME) into PyTorch, episode by episode.")
@@ -282,8 +281,7 @@ def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size:
                           worker=worker, strategy=strategy, pool_size=limits.pool_size)
         take = plan.remaining if limit == 0 else min(limit, plan.remaining)
         anchors = [list(next(plan)) for _ in range(take)]
-        frame_total = sum(count[e] for e in part)
-        workers.append({"worker": worker, "episodes": part, "frames": frame_total,
+        workers.append({"worker": worker, "episodes": part, "frames": sum(count[e] for e in part),
                         "anchors": anchors})
     return {"episodes": len(episodes), "frames": sum(frames), "world_size": world_size,
             "rank": rank, "num_workers": num_workers, "seed": seed, "epoch": epoch,
@@ -370,11 +368,8 @@ def run_inspect(args) -> int:
 
     try:
         with open(args.file, "rb") as f:
-            def read_range(offset: int, length: int) -> bytes:
-                f.seek(offset)
-                return f.read(length)
-
-            report = describe(read_range, os.fstat(f.fileno()).st_size, args.file)
+            report = describe(lambda offset, length: os.pread(f.fileno(), length, offset),
+                              os.fstat(f.fileno()).st_size, args.file)
     except OSError as exc:
         raise UsageError(f"cannot read {args.file}: {exc}") from exc
     if args.json:

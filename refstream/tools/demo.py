@@ -644,12 +644,11 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
                                          num_workers=num_workers)
     total = dataset.rank_frames * epochs
-    bar = tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
-               dynamic_ncols=True)
-    samples = batches = 0
-    first_s = None
-    start = time.perf_counter()
-    try:
+    with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
+              dynamic_ncols=True) as bar:
+        samples = batches = 0
+        first_s = None
+        start = time.perf_counter()
         for epoch in range(epochs):
             dataset.set_epoch(epoch)
             batches_of_epoch = iter(loader)
@@ -669,8 +668,6 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
             del batches_of_epoch  # shuts the workers down
             if max_samples is not None and samples >= max_samples:
                 break
-    finally:
-        bar.close()
     seconds = time.perf_counter() - start
     return StreamMeasurement(samples, batches, seconds, first_s or 0.0)
 

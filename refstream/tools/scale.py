@@ -516,7 +516,6 @@ def _shown(name: str, value: float) -> str:
 
 
 def evaluate_targets(report: ScaleReport) -> list[Target]:
-    """The targets of :data:`TARGETS` with the measured values."""
     places, s = (report.folder, report.http, report.hub), report.simulation
     measured = {
         "index_rss": max(p.index_peak_rss_bytes for p in places) / MB,
