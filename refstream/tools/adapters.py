@@ -378,11 +378,10 @@ def kind_span(case_input: dict) -> dict:
 
 
 def kind_synth(case_input: dict) -> dict:
-    index = _media_index(case_input)
+    file = Path(case_input["file"]).read_bytes()
+    index = parse_index_bytes(file, case_input["file"])
     span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
-    with open(case_input["file"], "rb") as f:
-        f.seek(span.byte_offset)
-        data = synthesize(index, span, f.read(span.byte_length))
+    data = synthesize(index, span, file[span.byte_offset : span.byte_offset + span.byte_length])
     return {"synthesized_size": synthesized_size(index, span), "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 

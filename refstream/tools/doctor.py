@@ -143,7 +143,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
         rows_check, timestamps = _check_rows(source, meta, tick)
         videos_check, indexes = _check_videos(source, meta, timestamps, tolerance_s, tick)
         checks += [rows_check, videos_check]
-    checks.append(_check_sidecar(source, meta, cache_root, indexes))
+    checks.append(_check_sidecar(source, video_relpaths, cache_root, indexes))
     return Report(label, checks)
 
 
@@ -458,9 +458,8 @@ def _ids(episodes: list[int], shown: int = 10) -> str:
 # --- 5. sidecar ------------------------------------------------------------------------------
 
 
-def _check_sidecar(source: Source, meta: DatasetMeta, cache_root: str | Path | None,
+def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path | None,
                    indexes: dict[str, SampleIndex]) -> Check:
-    relpaths = sidecar.video_relpaths(meta)
     if not relpaths:
         return Check("sidecar", True, "no video files: nothing to index")
     try:
