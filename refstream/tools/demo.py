@@ -604,7 +604,8 @@ def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
     state = LoopbackServer(root=Path(root))
     server = _LoopbackHTTPServer(("127.0.0.1", 0), _handler_class(state))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback",
+                              daemon=True)
     thread.start()
     try:
         yield state
@@ -640,7 +641,8 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
     import torch
     from tqdm import tqdm
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
+                                         num_workers=num_workers)
     total = dataset.rank_frames * epochs
     with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
               dynamic_ncols=True) as bar:
