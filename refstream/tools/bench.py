@@ -559,10 +559,12 @@ class BenchReport:
 
     def lines(self) -> list[str]:
         c = self.config
+        shape = (f"{self.episodes} episodes, {self.frames} frames, {self.cameras} cameras"
+                 if c.root else f"{self.episodes} episodes x {c.frames_per_episode} frames = "
+                 f"{self.frames} frames, {self.cameras} cameras {c.width}x{c.height} {c.codec} "
+                 f"g={c.gop} bf={c.bframes}")
         out = [
-            f"dataset: {self.root}: {self.episodes} episodes x {c.frames_per_episode} frames "
-            f"= {self.frames} frames, {self.cameras} cameras {c.width}x{c.height} {c.codec} "
-            f"g={c.gop} bf={c.bframes}, {self.dataset_bytes:,} bytes; minimal spans "
+            f"dataset: {self.root}: {shape}, {self.dataset_bytes:,} bytes; minimal spans "
             f"{self.spans.span_bytes:,} bytes",
             f"loader: {c.num_workers} workers, batch {c.batch_size}, camera window "
             f"{c.camera_window} frames, action window {c.action_window}, budget {c.budget_gb} GiB"
