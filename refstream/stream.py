@@ -43,7 +43,7 @@ from refstream.rng import MASK64, resolve_seed
 from refstream.sidecar import VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
-from refstream.windows import make_windows
+from refstream.windows import check_tolerance, make_windows
 from refstream.worker import Batch, WorkerStream
 
 __all__ = ["StreamingDataset", "Batch", "GIB"]
@@ -107,7 +107,7 @@ class StreamingDataset(IterableDataset):
                         decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
                         batch_size=batch_size, num_workers=num_workers)
         self.root = str(root)
-        self.tolerance_s = float(tolerance_s)
+        self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
         self._seed_given = seed is not None  # else a checkpoint's seed is taken
         self.sampling_strategy = sampling_strategy

@@ -22,7 +22,7 @@ import numpy as np
 
 from refstream.errors import UsageError
 
-__all__ = ["Windows", "make_windows", "window_rows"]
+__all__ = ["Windows", "make_windows", "window_rows", "check_tolerance"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,8 +42,7 @@ def make_windows(
     """The row offsets of ``delta_timestamps`` (None: no windows) after SPEC §5.1's checks."""
     if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
         raise UsageError(f"fps must be a positive integer, got {fps!r}")
-    if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
-        raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
+    check_tolerance(tolerance_s)
     if delta_timestamps is None:
         return Windows({})
     if not isinstance(delta_timestamps, Mapping):
@@ -84,6 +83,14 @@ def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
             f"from a frame at {fps} fps (tolerance_s {tolerance_s})"
         )
     return nearest
+
+
+def check_tolerance(tolerance_s: object) -> float:
+    """``tolerance_s`` as a float if it is a finite number >= 0 (not a bool), else UsageError:
+    the one check of every ``tolerance_s`` a user gives."""
+    if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
+        raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
+    return float(tolerance_s)
 
 
 def _is_number(value: object) -> bool:

@@ -481,8 +481,8 @@ def test_tolerance_decides_between_frames(dataset):
 
 
 def test_tolerance_must_be_a_finite_non_negative_number(dataset):
-    for bad in (-1e-4, math.nan, math.inf):
-        with pytest.raises(UsageError):
+    for bad in (-1e-4, math.nan, math.inf, True, "1e-4"):  # the check StreamingDataset makes
+        with pytest.raises(UsageError, match="tolerance_s"):
             check_dataset(open_source(dataset), tolerance_s=bad)
 
 

@@ -350,6 +350,9 @@ def test_settings_are_checked(dataset_root):
         StreamingDataset(dataset_root, rank=2, world_size=2)
     with pytest.raises(UsageError, match="batch_size"):  # at once, not in a worker
         StreamingDataset(dataset_root, rank=0, world_size=2)
+    for tolerance_s in (True, "1e-4", -1e-4, float("nan")):  # the check windows and doctor use
+        with pytest.raises(UsageError, match="tolerance_s"):
+            StreamingDataset(dataset_root, tolerance_s=tolerance_s)
 
 
 @pytest.mark.parametrize("world_size, num_workers, batch_size, repeat",

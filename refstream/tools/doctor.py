@@ -19,7 +19,6 @@ counts all of them.
 from __future__ import annotations
 
 import io
-import math
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -38,11 +37,11 @@ from refstream.errors import (
     MalformedDataset,
     RefstreamError,
     SidecarInvalid,
-    UsageError,
 )
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
+from refstream.windows import check_tolerance
 
 __all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "MAX_LISTED_PROBLEMS",
            "CHECK_NAMES"]
@@ -128,9 +127,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     """The report of every check on ``source``, named by ``root`` (as training is given it);
     ``progress``: a bar on stderr (None: if it is a terminal); ``cache_root`` as
     :func:`refstream.sidecar.cache_folder` takes it."""
-    if not (isinstance(tolerance_s, int | float) and math.isfinite(tolerance_s)
-            and tolerance_s >= 0):
-        raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
+    tolerance_s = check_tolerance(tolerance_s)
     label = str(root) if root is not None else repr(source)
     try:
         meta = load_meta(source)
