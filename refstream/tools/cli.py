@@ -306,9 +306,9 @@ def run_index(args) -> int:
     from refstream.meta import load_meta
     from refstream.source import open_source
 
-    source = open_source(args.root)
-    index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
-                                 workers=args.workers)
+    with contextlib.closing(open_source(args.root)) as source:
+        index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
+                                     workers=args.workers)
     records = {record.path: record for record in index.records.values()}
     # One record mapped at a time: mapping them all would hold their pages.
     samples = sum(len(sidecar.read_record(path, record.size, record.identity))
@@ -323,7 +323,6 @@ def run_index(args) -> int:
         summary["output"] = str(export_index(index, args.output))
     _print_summary(summary, args.json)
     return 0
-
 
 
 def export_index(index: VideoIndex, output: str | Path) -> Path:

@@ -620,7 +620,7 @@ def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
 
 @dataclass(frozen=True)
 class StreamMeasurement:
-    """What one :func:`consume` run saw (times in seconds, sizes in bytes)."""
+    """What one :func:`consume` run saw (times in seconds)."""
 
     samples: int
     batches: int
