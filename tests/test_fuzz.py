@@ -71,7 +71,7 @@ MP4_SEEDS = ("lerobot_av1", "lerobot_h264", "av1_g2", "h264_b", "h264_b_faststar
              "h264_negcts", "h264_b_co64", "h264_b_largesize", "h264_audio", "h265_b",
              "h264_vfr", "h264_opengop", "h264_offset", "mpeg4")
 SIDECAR_SEEDS = ("lerobot_av1", "av1_g2", "h264_b", "h264_negcts", "h265_b", "h264_vfr")
-# Inputs per test in CI; the sum is the issue's ≥ 20,000.
+# Inputs per test in CI; together at least 20,000 mutated inputs per run.
 BUDGET = {
     "mp4_moov_flips": 4000,
     "mp4_field_writes": 4000,
