@@ -9,6 +9,7 @@ tolerance). Nothing of refstream is used to build it.
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import threading
 from collections import Counter
 from itertools import islice
@@ -300,13 +301,14 @@ def test_early_exit_closes_threads(dataset_root):
     assert started_since(before) == []
 
 
+def copy_dataset(root: Path, to: Path) -> Path:
+    """A copy of the dataset at ``root`` to change without touching the shared fixture."""
+    shutil.copytree(root, to)
+    return to
+
+
 def test_error_in_fetch_thread_reaches_consumer(dataset_root, tmp_path):
-    broken = tmp_path / "broken"
-    for path in dataset_root.rglob("*"):
-        if path.is_file():
-            target = broken / path.relative_to(dataset_root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
+    broken = copy_dataset(dataset_root, tmp_path / "broken")
     data = sorted((broken / "data").rglob("*.parquet"))[0]
     data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # cut in half
     dataset = StreamingDataset(broken, seed=0, decode_threads=2)
@@ -323,12 +325,7 @@ def test_error_in_fetch_thread_reaches_consumer(dataset_root, tmp_path):
 def test_timestamps_outside_the_planned_span_are_refused(dataset_root, tmp_path):
     import pyarrow as pa
 
-    moved = tmp_path / "moved"
-    for path in dataset_root.rglob("*"):
-        if path.is_file():
-            target = moved / path.relative_to(dataset_root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
+    moved = copy_dataset(dataset_root, tmp_path / "moved")
     data = moved / "data/chunk-000/file-000.parquet"
     table = pq.read_table(data)
     timestamps = table["timestamp"].to_numpy().copy()
