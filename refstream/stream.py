@@ -247,15 +247,20 @@ class StreamingDataset(IterableDataset):
                                   f"batch_size {self.batch_size}")
         return resume.ResumeSetup(
             seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self._order().byte_budget, world_size=self.world_size,
+            byte_budget=self._rank_budget, world_size=self.world_size,
             num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
             selection=resume.selection_digest(self.episodes, self._frames))
+
+    @property
+    def _rank_budget(self) -> int | None:
+        """The rank's byte budget; None without cameras (nothing to reserve)."""
+        return self.byte_budget if self.meta.camera_keys else None
 
     def _order(self, byte_sizes: dict[int, int] | None = None) -> resume.Order:
         return resume.Order(
             tuple(self.episodes), tuple(self._frames), seed=self.seed,
             strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self.byte_budget if self.meta.camera_keys else None, repeat=self.repeat,
+            byte_budget=self._rank_budget, repeat=self.repeat,
             byte_sizes=None if byte_sizes is None else tuple(byte_sizes[e] for e in self.episodes))
 
     def _byte_sizes(self, episodes: list[int]) -> dict[int, int]:
@@ -294,7 +299,7 @@ class StreamingDataset(IterableDataset):
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
             num_workers, pool_size=self.episode_pool_size,
-            byte_budget=self.byte_budget if self.meta.camera_keys else None,
+            byte_budget=self._rank_budget,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         ordinary = course.delivered.first + len(course.delivered.counts)
