@@ -43,14 +43,18 @@ FOOTER_TAIL_BYTES = 64 * 1024
 class Footers:
     """Each data file's size, tail and Parquet footer, read once (one ``read_tail``) and reused
     for every episode in it (the tail is at most 64 KiB per file a worker touches). Threads
-    share it: one reads a footer while the others wait."""
+    share it: one reads a file's footer while the others needing that file wait, and threads
+    needing other files do not."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
-        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}  # one per file, held while it is read
+        self._lock = threading.Lock()  # guards _locks
 
     def open(self, source: Source, relpath: str) -> pq.ParquetFile:
         with self._lock:
+            file_lock = self._locks.setdefault(relpath, threading.Lock())
+        with file_lock:
             if relpath not in self._known:
                 tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
                 metadata = pq.ParquetFile(RangeFile(source, relpath, size, tail)).metadata

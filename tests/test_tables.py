@@ -120,6 +120,36 @@ def test_one_group_per_episode_reads_only_that_group(tmp_path):
         assert groups_touched(source, path) == {episode} & groups_outside_the_tail(path)
 
 
+class StalledTailSource(LocalSource):
+    """A local source whose footer read of ``stalled`` waits until ``release`` is set."""
+
+    def __init__(self, root: Path, stalled: str) -> None:
+        super().__init__(root)
+        self.stalled, self.entered, self.release = stalled, threading.Event(), threading.Event()
+
+    def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
+        if relpath == self.stalled:
+            self.entered.set()
+            self.release.wait()
+        return super().read_tail(relpath, length)
+
+
+def test_a_slow_footer_holds_up_only_the_threads_that_need_its_file(tmp_path):
+    write_file(tmp_path / "a.parquet", {0: 20})
+    write_file(tmp_path / "b.parquet", {1: 20})
+    source, footers = StalledTailSource(tmp_path, "a.parquet"), Footers()
+    with ThreadPoolExecutor(2) as pool:
+        stalled = pool.submit(footers.open, source, "a.parquet")
+        assert source.entered.wait(60)
+        try:  # the other file's footer is read while a.parquet's read is stalled
+            other = pool.submit(footers.open, source, "b.parquet")
+            assert other.result(timeout=60).metadata.num_rows == 20  # a bound, not a race
+            assert not stalled.done()
+        finally:
+            source.release.set()
+        assert stalled.result().metadata.num_rows == 20
+
+
 def test_with_known_footers_an_episode_costs_one_range_inside_its_group(tmp_path):
     path = tmp_path / "data.parquet"
     write_file(path, LENGTHS)
