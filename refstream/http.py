@@ -360,7 +360,6 @@ class HTTPSource(Source):
                 delay_s = policy.delay_s(number, outcome.after_s)
                 log.warning("%s; attempt %d of %d failed, retrying in %.2f s", outcome.cause,
                             number, policy.max_attempts, delay_s)
-                self._count(retries=1)
                 time.sleep(delay_s)
         raise RetriesExhausted(
             f"{where}: failed {policy.max_attempts} times; last: {outcome.cause}"
@@ -425,13 +424,11 @@ class HTTPSource(Source):
                     method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
                     stream=True,
                 )
-            self._count(requests=1)
             hops.append(response)
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:
                 return response, hops
             response.close()
-            self._count(redirects=1)
             url = urljoin(url, location)
         raise HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
 
@@ -446,7 +443,6 @@ class HTTPSource(Source):
                     break
         except (requests.RequestException, OSError) as exc:
             return b"".join(parts), f" (connection failed: {exc})"
-        self._count(bytes=done)
         return b"".join(parts), ""
 
 

@@ -177,7 +177,6 @@ class HubSource(HTTPSource):
             response.close()
             with self._lock:
                 self._targets.pop(url, None)
-            self._count(refreshes=1)
         response, hops = super()._send(method, url, headers, where)
         if len(hops) > 1 and response.ok:
             with self._lock:

@@ -103,8 +103,6 @@ class VideoIndex:
     records: dict[str, Record]  # relpath -> record
     origin: str  # "cache", "published", "built" or "volatile": the last place records came from
     indexed: int  # files this call indexed
-    bytes_read: int  # bytes read from the source to index them (their moov, not the media)
-    seconds: float
 
 
 def default_cache_root() -> Path:
@@ -257,7 +255,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
                for relpath, (size, identity) in identities.items() if identity}
     volatile = _volatile_records(folder, identities, records)
     counts = {"cached": 0, "published": 0, "built": 0, "volatile": len(volatile)}
-    bytes_read = _index_files(source, volatile, workers, indexer)
+    _index_files(source, volatile, workers, indexer)
     if _missing(records):
         with _exclusive(folder / ".lock", timeout_s):
             _remove_orphans(folder)
@@ -265,16 +263,15 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
             if missing:
                 counts["published"] = _take_published(source, records, missing)
                 missing = _missing({relpath: records[relpath] for relpath in missing})
-            bytes_read += _index_files(source, {r: records[r] for r in missing}, workers, indexer)
+            _index_files(source, {r: records[r] for r in missing}, workers, indexer)
             counts["built"] = len(missing)
             fsync_directory(folder)
     counts["cached"] = len(records) - counts["published"] - counts["built"]
     origin = next((o for o in ("volatile", "built", "published") if counts[o]), "cache")
-    index = VideoIndex({**records, **volatile}, origin, counts["built"] + counts["volatile"],
-                       bytes_read, time.monotonic() - started)
-    log.info("video index of %d files in %.2f s: %s (%s)", len(index.records), index.seconds,
-             ", ".join(f"{n} {o}" for o, n in counts.items() if n), folder)
-    return index
+    log.info("video index of %d files in %.2f s: %s (%s)", len(identities),
+             time.monotonic() - started, ", ".join(f"{n} {o}" for o, n in counts.items() if n),
+             folder)
+    return VideoIndex({**records, **volatile}, origin, counts["built"] + counts["volatile"])
 
 
 class MappedIndex(Mapping):
@@ -359,8 +356,8 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
 
 
 def _index_files(source: Source, records: dict[str, Record], workers: int,
-                 indexer: Indexer | None) -> int:
-    """Index every file of ``records`` and install each record as it finishes; bytes read."""
+                 indexer: Indexer | None) -> None:
+    """Index every file of ``records`` and install each record as it finishes."""
     indexer = indexer or parse_index
 
     def index_one(relpath: str, record: Record) -> None:
@@ -372,7 +369,7 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
         install(Path(record.path), lambda f: f.write(data),
                 lambda p: read_record(p, record.size, record.identity, relpath, verify=True))
 
-    started, shown, before = time.monotonic(), False, source.stats()["bytes"]
+    started, shown = time.monotonic(), False
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
                               thread_name_prefix="refstream-index")
     try:
@@ -382,7 +379,6 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
             if sys.stderr.isatty() and time.monotonic() - started >= PROGRESS_AFTER_S:
                 sys.stderr.write(f"\rindexing video files: {done}/{len(records)}")
                 shown = True
-        return source.stats()["bytes"] - before
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, index no further file
         if shown:

@@ -12,9 +12,7 @@ Usage::
     pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
 
 :class:`LocalSource` reads a folder; :mod:`refstream.http` and :mod:`refstream.hub` serve the
-other roots. A source may be shared by threads. ``stats()`` counts, since the source was made:
-``requests`` (local reads; HTTP requests, each redirect hop included), ``bytes`` (payload
-received), ``retries``, ``redirects`` and ``refreshes`` (remembered redirect targets that expired).
+other roots. A source may be shared by threads.
 """
 
 from __future__ import annotations
@@ -61,17 +59,12 @@ def open_source(root: str | Path, **http_options) -> Source:
 
 
 class Source:
-    """The base of every source: the counters and the identity check of every read (SPEC §8.1).
+    """The base of every source: the identity check of every read (SPEC §8.1).
     A subclass adds ``read_bytes``, ``read_range``, ``size``, ``identity`` and ``close``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("requests", "bytes", "retries", "redirects", "refreshes"), 0)
         self._expected: dict[str, str] = {}
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
 
     def expect_identity(self, relpath: str, identity: str) -> None:
         with self._lock:
@@ -85,11 +78,6 @@ class Source:
 
         with ThreadPoolExecutor(IDENTITY_THREADS, thread_name_prefix="refstream-stat") as pool:
             return dict(pool.map(ask, sorted(set(relpaths))))
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
 
     def _check_identity(self, relpath: str, actual: str, where: str) -> None:
         """PayloadChanged when ``relpath`` is expected to have another identity than ``actual``."""
@@ -160,7 +148,6 @@ class LocalSource(Source):
         asked = len(data) if length is None else length
         where = f"{path} {byte_range(offset, asked)}"
         self._check_identity(relpath, _local_identity(status), where)
-        self._count(requests=1, bytes=len(data))
         if len(data) != asked:
             raise ShortRead(f"{where}: got {len(data)} of {asked} bytes (end of file)")
         return data

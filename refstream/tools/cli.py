@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -306,9 +307,11 @@ def run_index(args) -> int:
     from refstream.meta import load_meta
     from refstream.source import open_source
 
+    started = time.monotonic()
     with contextlib.closing(open_source(args.root)) as source:
         index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
                                      workers=args.workers)
+    seconds = time.monotonic() - started
     records = {record.path: record for record in index.records.values()}
     # One record mapped at a time: mapping them all would hold their pages.
     samples = sum(len(sidecar.read_record(path, record.size, record.identity))
@@ -316,7 +319,7 @@ def run_index(args) -> int:
     summary = {"root": args.root, "origin": index.origin, "files": len(index.records),
                "indexed": index.indexed, "samples": samples,
                "video_bytes": sum(record.size for record in index.records.values()),
-               "bytes_read_to_index": index.bytes_read, "seconds": round(index.seconds, 3),
+               "seconds": round(seconds, 3),
                "index_folder": str(sidecar.cache_folder()),
                "index_bytes": sum(Path(path).stat().st_size for path in records)}
     if args.output:
