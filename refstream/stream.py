@@ -16,10 +16,9 @@ equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its 
 order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
 B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` before
 ``iter(loader)`` continues from it, also with another world size, worker count or batch size.
-With ``world_size > 1`` and no ``repeat`` every rank stops after the same number of batches
-(SPEC §9.5). ``__init__`` (the main process) reads the metadata, resolves the rank (arguments,
-an initialised ``torch.distributed``, ``RANK``/``WORLD_SIZE``, else 0 of 1) and makes sure the
-sidecar index exists; the position lives in shared memory, so persistent workers see it.
+The rank is found as SPEC §9.5 says; with ``world_size > 1`` and no ``repeat`` every rank stops
+after the same number of batches. ``__init__`` (the main process) reads the metadata and makes
+sure the sidecar index exists; the position lives in shared memory, so persistent workers see it.
 """
 
 
@@ -73,8 +72,7 @@ class StreamingDataset(IterableDataset):
     split. ``batch_size`` (the DataLoader's, or with ``batched`` the dataset's own batches) is
     needed for the distributed end of a finite epoch and for checkpoints. ``decode_threads``
     decode each group of ``decoded_queue_size`` samples (of ``batch_size`` when batched).
-    ``sidecar_lock_timeout_s``: the wait for another process building the video index (default
-    ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``, else 1800 s).
+    ``sidecar_lock_timeout_s``: the wait for another process building the video index (SPEC §10.6).
     """
 
     def __init__(
@@ -127,7 +125,7 @@ class StreamingDataset(IterableDataset):
         self.num_workers = num_workers
         self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        if not (repeat or self.world_size == 1 or batch_size):
+        if not (repeat or self.world_size <= 1 or batch_size):
             raise UsageError(f"world_size {self.world_size} without repeat: pass batch_size so "
                              "every rank stops after the same number of batches, or repeat=True")
 
@@ -154,11 +152,9 @@ class StreamingDataset(IterableDataset):
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
         self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
         self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
-        # The position (see _EPOCH…); 0 batch size = no resume. The earlier topologies of a
-        # resume and what they delivered live here (workers get them when they start).
+        # The position (see _EPOCH…); 0 batch size = no resume. set_epoch and load_state_dict
+        # keep the earlier topologies of a resume and what they delivered (workers get them).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
-        self._history: tuple[resume.Segment, ...] = ()
-        self._delivered: resume.Delivered | None = None
         self.set_epoch(0)
 
     def __len__(self) -> int:
@@ -202,11 +198,6 @@ class StreamingDataset(IterableDataset):
         self._position.copy_(torch.tensor([epoch, samples, batch_size, num_workers, seed,
                                            _digest(self._history)]))
 
-    @property
-    def epoch(self) -> int:
-        """The epoch the next iterator starts in (before any resume roll-over)."""
-        return int(self._position[_EPOCH])
-
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
         the current position was set, with a DataLoader of ``num_workers`` workers."""
@@ -214,7 +205,7 @@ class StreamingDataset(IterableDataset):
         if int(self._position[_RESUME_BATCH]) not in (0, batch_size):
             raise TopologyChanged(f"resumed with batch size {int(self._position[_RESUME_BATCH])}"
                                   f", checkpointing with {batch_size}")
-        state = resume.ResumeState(epoch=self.epoch, samples=base + samples,
+        state = resume.ResumeState(epoch=int(self._position[_EPOCH]), samples=base + samples,
                                    setup=self._setup(batch_size, max(1, num_workers)),
                                    history=self._history)
         resume.ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
@@ -345,7 +336,7 @@ def _digest(history: tuple[resume.Segment, ...]) -> int:
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Arguments, else an initialised torch.distributed, else RANK/WORLD_SIZE, else 0/1."""
+    """Arguments, else as SPEC §9.5 says."""
     if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             found = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -353,9 +344,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         rank = found[0] if rank is None else rank
         world_size = found[1] if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} is not in a world of size {world_size}")
-    return rank, world_size
+    return rank, world_size  # shard.rank_share checks them
 
 
 def _check_settings(strategy: str, byte_budget_gb: float, **counts: int | None) -> None:
