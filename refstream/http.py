@@ -22,6 +22,7 @@ import email.utils
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from typing import TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
 import requests
-from requests.adapters import HTTPAdapter
 
 from refstream.errors import (
     BadRangeResponse,
@@ -248,10 +248,10 @@ class HTTPSource(Source):
         self._timeout = (connect_timeout_s, read_timeout_s)
         self.retry = retry or RetryPolicy()
         self._whole_body_cap_bytes = whole_body_cap_bytes
-        # guarded by self._lock, with the counters:
+        self._lock = threading.Lock()  # guards the two lists of sessions
         self._sessions: list[requests.Session] = []  # every session made, closed by close()
         self._idle: list[requests.Session] = []  # sessions no request is being sent on
-        self._sizes: dict[str, int] = {}  # relpath -> size seen
+        self._sizes: dict[str, int] = {}  # relpath -> size seen (one dict operation is atomic)
 
     def __repr__(self) -> str:
         return f"HTTPSource({self.label!r}, token={'set' if self._token else 'none'})"
@@ -280,12 +280,10 @@ class HTTPSource(Source):
         answer = self._get(url, where, relpath, suffix=length)
         if isinstance(answer, FallBack):
             return super().read_tail(relpath, length)  # the size from HEAD, then a range
-        with self._lock:
-            return answer[0], self._sizes[relpath]
+        return answer[0], self._sizes[relpath]
 
     def size(self, relpath: str) -> int:
-        with self._lock:
-            known = self._sizes.get(relpath)
+        known = self._sizes.get(relpath)
         return self._head(relpath)[0] if known is None else known
 
     def identity(self, relpath: str) -> str:
@@ -317,11 +315,9 @@ class HTTPSource(Source):
         def attempt() -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
             response, hops = self._send("GET", url, headers, where)
             with contextlib.closing(response):
-                with self._lock:
-                    known = None if relpath is None else self._sizes.get(relpath)
                 decision = judge_response(
                     response.status_code, response.headers, first_last=first_last,
-                    suffix=suffix, known_size=known,
+                    suffix=suffix, known_size=self._sizes.get(relpath),
                     whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
                 )
                 if not isinstance(decision, Accept):
@@ -335,8 +331,7 @@ class HTTPSource(Source):
                 raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
             if relpath is not None:
                 if decision.file_size is not None:
-                    with self._lock:
-                        self._sizes.setdefault(relpath, decision.file_size)
+                    self._sizes.setdefault(relpath, decision.file_size)
                 self._check_identity(relpath, _identity_of(hops), where)
             if decision.answer_bytes is not None:
                 body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
@@ -376,11 +371,10 @@ class HTTPSource(Source):
             decision = judge_response(response.status_code, response.headers, where=where)
             if isinstance(decision, Retry):
                 return decision
-            size = _linked_size(hops)
+            size = _decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
             if size is None:
                 raise BadRangeResponse(f"{where}: no Content-Length")
-            with self._lock:
-                self._sizes[relpath] = size
+            self._sizes[relpath] = size
             return size, _identity_of(hops)
 
         return self._retrying(where, attempt)
@@ -395,11 +389,8 @@ class HTTPSource(Source):
         with self._lock:
             session = self._idle.pop() if self._idle else None
         if session is None:
-            session = requests.Session()
+            session = requests.Session()  # requests itself never retries (max_retries 0)
             session.auth = lambda request: request  # adds nothing; stops requests reading .netrc
-            adapter = HTTPAdapter(pool_connections=4, pool_maxsize=4, max_retries=0)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
             with self._lock:
                 self._sessions.append(session)
         try:
@@ -447,23 +438,17 @@ class HTTPSource(Source):
 
 
 def _identity_of(hops: list[requests.Response]) -> str:
-    """SPEC §8.1: the first X-Linked-Etag on the chain, else the final ETag, Last-Modified."""
-    for hop in hops:
-        linked = hop.headers.get("X-Linked-Etag")
-        if linked:
-            return f"etag:{linked}"
-    final = hops[-1].headers
-    if final.get("ETag"):
-        return f"etag:{final['ETag']}"
-    if final.get("Last-Modified"):
-        return f"last-modified:{final['Last-Modified']}"
-    return ""
+    """SPEC §8.1: the ETag of the chain, else the final Last-Modified, else ""."""
+    etag = _on_chain(hops, "X-Linked-Etag", "ETag")
+    if etag:
+        return f"etag:{etag}"
+    modified = hops[-1].headers.get("Last-Modified")
+    return f"last-modified:{modified}" if modified else ""
 
 
-def _linked_size(hops: list[requests.Response]) -> int | None:
-    """SPEC §8.2: the first X-Linked-Size on the chain, else the final Content-Length."""
+def _on_chain(hops: list[requests.Response], linked: str, final: str) -> str | None:
+    """The first ``linked`` header on a redirect chain, else the final answer's ``final``."""
     for hop in hops:
-        linked = _decimal(hop.headers.get("X-Linked-Size"))
-        if linked is not None:
-            return linked
-    return _decimal(hops[-1].headers.get("Content-Length"))
+        if hop.headers.get(linked):
+            return hop.headers[linked]
+    return hops[-1].headers.get(final)

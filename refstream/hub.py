@@ -138,7 +138,7 @@ class HubSource(HTTPSource):
         self._commit = commit
         self._tree_url = f"{endpoint}/api/datasets/{hf.owner}/{hf.name}/tree/{commit}"
         self._prefix = f"{hf.prefix}/" if hf.prefix else ""
-        self._targets: dict[str, str] = {}  # url -> redirect target; guarded by self._lock
+        self._targets: dict[str, str] = {}  # url -> redirect target (one dict operation is atomic)
 
     def identity(self, relpath: str) -> str:
         check_relpath(relpath)
@@ -168,19 +168,16 @@ class HubSource(HTTPSource):
         self, method: str, url: str, headers: dict[str, str], where: str
     ) -> tuple[requests.Response, list[requests.Response]]:
         """Straight to the remembered target of ``url``'s redirects, while it answers."""
-        with self._lock:
-            target = self._targets.get(url)
+        target = self._targets.get(url)
         if target is not None:
             response, hops = super()._send(method, target, headers, where)
             if response.status_code not in _EXPIRED_TARGET_STATUSES:
                 return response, hops
             response.close()
-            with self._lock:
-                self._targets.pop(url, None)
+            self._targets.pop(url, None)
         response, hops = super()._send(method, url, headers, where)
         if len(hops) > 1 and response.ok:
-            with self._lock:
-                self._targets[url] = response.url
+            self._targets[url] = response.url
         return response, hops
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:

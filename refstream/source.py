@@ -21,7 +21,6 @@ import contextlib
 import io
 import os
 import re
-import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,12 +62,11 @@ class Source:
     A subclass adds ``read_bytes``, ``read_range``, ``size``, ``identity`` and ``close``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # relpath -> identity; threads share it, and one dict operation is atomic: no lock
         self._expected: dict[str, str] = {}
 
     def expect_identity(self, relpath: str, identity: str) -> None:
-        with self._lock:
-            self._expected[check_relpath(relpath)] = identity
+        self._expected[check_relpath(relpath)] = identity
 
     def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]:
         """``relpath -> (size, identity)`` of each distinct file, ``IDENTITY_THREADS`` at a time."""
@@ -81,8 +79,7 @@ class Source:
 
     def _check_identity(self, relpath: str, actual: str, where: str) -> None:
         """PayloadChanged when ``relpath`` is expected to have another identity than ``actual``."""
-        with self._lock:
-            expected = self._expected.get(relpath)
+        expected = self._expected.get(relpath)
         if expected is not None and actual != expected:
             raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
 

@@ -48,13 +48,11 @@ class Footers:
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
-        self._locks: dict[str, threading.Lock] = {}  # one per file, held while it is read
-        self._lock = threading.Lock()  # guards _locks
+        # One lock per file, held while it is read (setdefault is one atomic dict operation).
+        self._locks: dict[str, threading.Lock] = {}
 
     def open(self, source: Source, relpath: str) -> pq.ParquetFile:
-        with self._lock:
-            file_lock = self._locks.setdefault(relpath, threading.Lock())
-        with file_lock:
+        with self._locks.setdefault(relpath, threading.Lock()):
             if relpath not in self._known:
                 tail, size = source.read_tail(relpath, FOOTER_TAIL_BYTES)
                 metadata = pq.ParquetFile(RangeFile(source, relpath, size, tail)).metadata
