@@ -9,7 +9,7 @@ Usage::
 :func:`judge_response` is I/O-free: from what a GET asked and the answer's status and headers it
 returns a decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`FallBack`
 (the server does not serve suffix ranges) — or raises the error that ends the request.
-:class:`HTTPSource` does the I/O around it: a ``requests.Session`` per request in flight, reused;
+:class:`HTTPSource` does the I/O around it: one ``requests.Session`` shared by every thread;
 redirects followed by hand; the token sent to the base URL's origin only; ``.netrc`` never read.
 Each retry is logged at WARNING on the ``refstream.http`` logger (URL, byte range, attempt,
 delay); no message carries a token or a request header.
@@ -22,11 +22,11 @@ import email.utils
 import logging
 import random
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from http.cookiejar import DefaultCookiePolicy
 from typing import TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -248,9 +248,11 @@ class HTTPSource(Source):
         self._timeout = (connect_timeout_s, read_timeout_s)
         self.retry = retry or RetryPolicy()
         self._whole_body_cap_bytes = whole_body_cap_bytes
-        self._lock = threading.Lock()  # guards the two lists of sessions
-        self._sessions: list[requests.Session] = []  # every session made, closed by close()
-        self._idle: list[requests.Session] = []  # sessions no request is being sent on
+        # One session for every thread: its connection pool is thread-safe, and with no cookie
+        # kept it holds no other state that requests change. It never retries (max_retries 0).
+        self._session = requests.Session()
+        self._session.auth = lambda request: request  # adds nothing; stops requests reading .netrc
+        self._session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # keeps none
         self._sizes: dict[str, int] = {}  # relpath -> size seen (one dict operation is atomic)
 
     def __repr__(self) -> str:
@@ -290,10 +292,7 @@ class HTTPSource(Source):
         return self._head(relpath)[1]
 
     def close(self) -> None:
-        with self._lock:
-            sessions, self._sessions, self._idle = self._sessions, [], []
-        for session in sessions:
-            session.close()
+        self._session.close()
 
     def get_url(self, url: str) -> tuple[bytes, Mapping[str, str]]:
         """GET an absolute URL (a Hub API call), retried: its body and headers."""
@@ -381,25 +380,6 @@ class HTTPSource(Source):
 
     # --- transport ----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[requests.Session]:
-        """A session to send one request on: an idle one, else a new one (kept until close()).
-        Not a thread-local: pyarrow calls in from its I/O threads with a fresh thread state each
-        time, so a thread-local session would be one new connection per call."""
-        with self._lock:
-            session = self._idle.pop() if self._idle else None
-        if session is None:
-            session = requests.Session()  # requests itself never retries (max_retries 0)
-            session.auth = lambda request: request  # adds nothing; stops requests reading .netrc
-            with self._lock:
-                self._sessions.append(session)
-        try:
-            yield session
-        finally:
-            with self._lock:
-                if session in self._sessions:  # not closed meanwhile
-                    self._idle.append(session)
-
     def _send(
         self, method: str, url: str, headers: dict[str, str], where: str
     ) -> tuple[requests.Response, list[requests.Response]]:
@@ -410,11 +390,10 @@ class HTTPSource(Source):
             sent = {"Accept-Encoding": "identity", **headers}
             if self._token and _origin(url) == self._token_origin:
                 sent["Authorization"] = f"Bearer {self._token}"
-            with self._session() as session:
-                response = session.request(
-                    method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
-                    stream=True,
-                )
+            response = self._session.request(
+                method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
+                stream=True,
+            )
             hops.append(response)
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,35 @@ def test_a_bare_hub_id_is_refused_with_the_hf_form(tmp_path, monkeypatch):
         StreamingDataset("lerobot/pusht")
     (tmp_path / "lerobot" / "pusht").mkdir(parents=True)  # a folder of that name is a folder
     assert isinstance(open_source("lerobot/pusht"), LocalSource)
+
+
+# --- one session for every thread ---------------------------------------------------------------
+
+
+def test_no_cookie_is_kept_between_requests():
+    """Threads share one session, so it keeps no state a response could change: no cookie."""
+    seen = []
+
+    class SetsCookies(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Cookie"))
+            self.send_response(200)
+            self.send_header("Set-Cookie", "visit=1; Path=/")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), SetsCookies) as httpd:
+        serving = threading.Thread(target=httpd.serve_forever, daemon=True)
+        serving.start()
+        source = HTTPSource(f"http://127.0.0.1:{httpd.server_address[1]}", retry=FAST)
+        assert [source.read_bytes("a.json") for _ in range(3)] == [b"ok"] * 3
+        source.close()
+        httpd.shutdown()
+        serving.join()
+    assert seen == [None, None, None]
