@@ -1,9 +1,7 @@
 """refstream — reference episode-based streaming of LeRobot v3 datasets into PyTorch.
 
-The importable core (``rng``, ``shard``, ``planner``, ``resume``, ``windows``, ``mp4``,
-``synth``, ``budget``, ``meta``) needs only numpy (and pyarrow for ``meta``); torch and PyAV are
-imported only by the modules that use them (``stream``, ``decode``). ``StreamingDataset`` is
-imported lazily so that ``import refstream`` stays light.
+``StreamingDataset`` is imported on first use, so ``import refstream`` and its I/O-free core
+need neither torch nor PyAV.
 """
 
 __version__ = "0.1.0"

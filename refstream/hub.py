@@ -8,9 +8,8 @@ Usage::
     pinned_root(root, source.identity(relpath))   # the root @ the commit the source reads
 
 A branch or tag is pinned once, at open, to its commit: DataLoader workers open the
-:func:`pinned_root`, so every file a run reads comes from that commit. Buckets have no commits
-(ETag identities). The endpoint is :func:`hub_endpoint`; the token, ``HF_TOKEN`` by default, is
-sent to the endpoint's origin only, never to the CDN the Hub redirects to.
+:func:`pinned_root`, so every file a run reads comes from that commit. The endpoint
+(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's.
 """
 
 from __future__ import annotations

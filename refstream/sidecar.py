@@ -8,12 +8,11 @@ Use::
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
 :func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say, in
-``$REFSTREAM_CACHE/index/``: memory stays that of the files in flight, and a failed build
-replaces nothing. :class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are
-views of the mapped records in their stored dtypes: ranks and workers share the pages, and a
-consumer widens the slice it computes on (``pts − dts`` must not wrap). The ``refstream.sidecar``
-logger says at INFO where the index came from; a build running longer than
-:data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
+``$REFSTREAM_CACHE/index/``. :class:`MappedIndex` gives read-only ``SampleIndex`` objects whose
+arrays are views of the shared, mapped records in their stored dtypes: a consumer widens the
+slice it computes on (``pts − dts`` must not wrap). The ``refstream.sidecar`` logger says at INFO
+where the index came from; a build running longer than :data:`PROGRESS_AFTER_S` shows its
+progress on a terminal's stderr.
 """
 
 from __future__ import annotations
@@ -171,9 +170,8 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
     mapped = isinstance(file, str | Path)
     try:
         with open(file, "rb") if mapped else contextlib.nullcontext(file) as handle:
-            start = handle.tell()
             head = handle.read(len(NPY_1_0))
-            handle.seek(start)
+            handle.seek(-len(head), io.SEEK_CUR)  # numpy reads a file object from here
         if head != NPY_1_0:
             raise ValueError("not an NPY 1.0 file")
         array = np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
@@ -282,12 +280,10 @@ class MappedIndex(Mapping):
         self._mapped: dict[str, SampleIndex] = {}
 
     def __getitem__(self, relpath: str) -> SampleIndex:
-        found = self._mapped.get(relpath)
-        if found is None:
+        if relpath not in self._mapped:
             record = self.index.records[relpath]
-            found = read_record(record.path, record.size, record.identity, relpath)
-            self._mapped[relpath] = found
-        return found
+            self._mapped[relpath] = read_record(record.path, record.size, record.identity, relpath)
+        return self._mapped[relpath]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.index.records)
@@ -297,8 +293,7 @@ class MappedIndex(Mapping):
 
 
 def lock_timeout(value: float | str | None = None) -> float:
-    """Seconds to wait for another build: ``value``, else ``$REFSTREAM_SIDECAR_LOCK_TIMEOUT_S``,
-    else 1800; a ``UsageError`` unless it is a number ≥ 0."""
+    """Seconds to wait for another build's lock, as SPEC §10.6 says; else a ``UsageError``."""
     if value is None:
         value = os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S)
     try:

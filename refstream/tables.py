@@ -27,8 +27,7 @@ from refstream.errors import RefstreamError, TableError, UsageError
 from refstream.meta import column_array
 from refstream.source import RangeFile, Source
 
-__all__ = ["Footers", "read_episode_rows", "candidate_row_groups", "EPISODE_COLUMN",
-           "FRAME_COLUMN", "INDEX_COLUMN"]
+__all__ = ["Footers", "read_episode_rows", "candidate_row_groups"]
 
 EPISODE_COLUMN = "episode_index"
 FRAME_COLUMN = "frame_index"
