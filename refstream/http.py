@@ -235,7 +235,6 @@ class HTTPSource(Source):
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
         retry: RetryPolicy | None = None,
-        whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES,
         label: str | None = None,
     ) -> None:
         if urlsplit(base_url).username or urlsplit(base_url).password:
@@ -247,7 +246,6 @@ class HTTPSource(Source):
         self._token_origin = _origin(base_url)
         self._timeout = (connect_timeout_s, read_timeout_s)
         self.retry = retry or RetryPolicy()
-        self._whole_body_cap_bytes = whole_body_cap_bytes
         # One session for every thread: its connection pool is thread-safe, and with no cookie
         # kept it holds no other state that requests change. It never retries (max_retries 0).
         self._session = requests.Session()
@@ -316,8 +314,7 @@ class HTTPSource(Source):
             with contextlib.closing(response):
                 decision = judge_response(
                     response.status_code, response.headers, first_last=first_last,
-                    suffix=suffix, known_size=self._sizes.get(relpath),
-                    whole_body_cap_bytes=self._whole_body_cap_bytes, where=where,
+                    suffix=suffix, known_size=self._sizes.get(relpath), where=where,
                 )
                 if not isinstance(decision, Accept):
                     return decision

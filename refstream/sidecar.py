@@ -440,7 +440,7 @@ def _process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
+        pass  # it exists, owned by someone else
     return True
 
 

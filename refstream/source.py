@@ -131,12 +131,9 @@ class LocalSource(Source):
     def close(self) -> None:
         """Nothing stays open between calls."""
 
-    def _path(self, relpath: str) -> Path:
-        return self.root / check_relpath(relpath)
-
     def _read(self, relpath: str, offset: int, length: int | None) -> bytes:
         """``length`` bytes at ``offset``; ``None`` means to the end of the file."""
-        path = self._path(relpath)
+        path = self.root / check_relpath(relpath)
         check_span(str(path), offset, length or 0)
         with self._os_errors(relpath, path), open(path, "rb") as file:
             status = os.fstat(file.fileno())  # of the version read: its identity is checked
@@ -150,7 +147,7 @@ class LocalSource(Source):
         return data
 
     def _stat(self, relpath: str) -> os.stat_result:
-        path = self._path(relpath)
+        path = self.root / check_relpath(relpath)
         with self._os_errors(relpath, path):
             return os.stat(path)
 

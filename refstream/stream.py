@@ -213,9 +213,7 @@ class StreamingDataset(IterableDataset):
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
         """Start every following iterator where ``state`` left off, with ``num_workers``
-        DataLoader workers (default: the checkpoint's); world size, workers and batch size may
-        differ from the checkpoint's (SPEC §3.9). Without ``seed`` the checkpoint's is taken;
-        another seed, strategy, pool setting, ``repeat`` or selection is TopologyChanged."""
+        DataLoader workers (default: the checkpoint's), as SPEC §9.4 says."""
         if self.batch_size is None:
             raise UsageError("load_state_dict needs the batch size to place every worker: "
                              "build the dataset with batch_size=B")

@@ -29,7 +29,13 @@ from refstream.errors import (
     UnsafePath,
     UsageError,
 )
-from refstream.http import HTTPSource, RetryPolicy, judge_response, parse_retry_after
+from refstream.http import (
+    WHOLE_BODY_CAP_BYTES,
+    HTTPSource,
+    RetryPolicy,
+    judge_response,
+    parse_retry_after,
+)
 from refstream.hub import open_hf_source
 from refstream.source import LocalSource, RangeFile, open_source
 from refstream.tools.conformance import first_difference, in_process, load_cases
@@ -71,6 +77,13 @@ def http(url: str, **options) -> HTTPSource:
 
 def blob(folder: Path) -> bytes:
     return (folder / "data" / "blob.bin").read_bytes()
+
+
+def big_file(folder: Path) -> bytes:
+    """A file one byte over the whole-body cap: a server that ignores Range sends it whole."""
+    data = os.urandom(WHOLE_BODY_CAP_BYTES + 1)
+    (folder / "big.bin").write_bytes(data)
+    return data
 
 
 def counted_reads(source) -> list[tuple[str, int, int]]:
@@ -307,13 +320,13 @@ def test_http_tail_refuses_inconsistent_answers(folder, server, mode):
 @pytest.mark.parametrize("mode", ["416", "ignore_range"])
 def test_http_tail_without_suffix_support_falls_back_to_head_and_a_range(folder, server, mode,
                                                                          received):
-    # 416, or the whole 300 kB file over a 100 kB cap (its body is never read).
-    source, data = http(server.url, whole_body_cap_bytes=100_000), blob(folder)
+    # 416, or the whole file over the whole-body cap (its body is never read).
+    source, data = http(server.url), big_file(folder)
     server.script(mode)
-    assert source.read_tail("data/blob.bin", 1000) == (data[-1000:], FILE_BYTES)
+    assert source.read_tail("big.bin", 1000) == (data[-1000:], len(data))
     assert [(r.method, r.range) for r in server.log] == [
         ("GET", "bytes=-1000"), ("HEAD", None),
-        ("GET", f"bytes={FILE_BYTES - 1000}-{FILE_BYTES - 1}")]
+        ("GET", f"bytes={len(data) - 1000}-{len(data) - 1}")]
     assert sum(received) == 1000  # the answer's bytes only
 
 
@@ -373,10 +386,10 @@ def test_inconsistent_range_answers_fail_at_once(folder, server, mode):
 
 
 def test_ignored_range_on_a_large_file_is_refused_without_downloading(folder, server, received):
-    source = http(server.url, whole_body_cap_bytes=64 * 1024)
+    source, data = http(server.url), big_file(folder)
     server.script("ignore_range")
-    with pytest.raises(BadRangeResponse, match=r"bytes 0-99: server ignored Range.*300000 bytes"):
-        source.read_range("data/blob.bin", 0, 100)
+    with pytest.raises(BadRangeResponse, match=rf"bytes 0-99: server ignored Range.*{len(data)} "):
+        source.read_range("big.bin", 0, 100)
     assert received == []
 
 
