@@ -24,6 +24,7 @@ sure the sidecar index exists; the position lives in shared memory, so persisten
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -129,8 +130,7 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"world_size {self.world_size} without repeat: pass batch_size so "
                              "every rank stops after the same number of batches, or repeat=True")
 
-        source = open_source(self.root)
-        try:
+        with contextlib.closing(open_source(self.root)) as source:
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
             self._frames = [self.meta.frames(e) for e in self.episodes]
@@ -144,8 +144,6 @@ class StreamingDataset(IterableDataset):
                                                 lock_timeout_s=self.sidecar_lock_timeout_s)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
-        finally:
-            source.close()
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
         meta = self.meta
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
@@ -178,11 +176,8 @@ class StreamingDataset(IterableDataset):
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
         §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
-        source = open_source(self.worker_root)
-        try:
+        with contextlib.closing(open_source(self.worker_root)) as source:
             return selection_stats(source, self.meta, self.episodes)
-        finally:
-            source.close()
 
     # --- position: epochs and resume ----------------------------------------------------------
 
@@ -256,11 +251,8 @@ class StreamingDataset(IterableDataset):
         """Each episode's exact byte size, computed as a worker computes its share's."""
         limits = shard.split_limits(1, pool_size=None, byte_budget=self.byte_budget,
                                     decoder_cache=None, cameras=len(self.meta.camera_keys))
-        worker = WorkerStream(self, episodes, limits)
-        try:
+        with contextlib.closing(WorkerStream(self, episodes, limits)) as worker:
             return dict(worker.byte_sizes)
-        finally:
-            worker.close()
 
     # --- iteration ----------------------------------------------------------------------------
 
