@@ -68,12 +68,12 @@ class StreamingDataset(IterableDataset):
     """A LeRobot v3 dataset streamed episode by episode (see the module docstring).
 
     ``root``: a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
-    ``episode_pool_size`` and ``prefetch_episodes`` are per worker (default pool: 32 per rank
-    split over the workers); ``byte_budget_gb`` (GiB) and ``video_decoder_cache_size`` per rank,
-    split. ``batch_size`` (the DataLoader's, or with ``batched`` the dataset's own batches) is
-    needed for the distributed end of a finite epoch and for checkpoints. ``decode_threads``
-    decode each group of ``decoded_queue_size`` samples (of ``batch_size`` when batched).
-    ``sidecar_lock_timeout_s``: the wait for another process building the video index (SPEC §10.6).
+    ``episode_pool_size`` and ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
+    ``video_decoder_cache_size`` per rank, split over its workers (SPEC §2.3). ``batch_size`` (the
+    DataLoader's, or with ``batched`` the dataset's own batches) is needed for the distributed end
+    of a finite epoch and for checkpoints. ``decode_threads`` decode each group of
+    ``decoded_queue_size`` samples (of ``batch_size`` when batched). ``sidecar_lock_timeout_s``:
+    the wait for another process building the video index (SPEC §10.6).
     """
 
     def __init__(

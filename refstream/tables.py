@@ -40,10 +40,9 @@ FOOTER_TAIL_BYTES = 64 * 1024
 
 
 class Footers:
-    """Each data file's size, tail and Parquet footer, read once (one ``read_tail``) and reused
-    for every episode in it (the tail is at most 64 KiB per file a worker touches). Threads
-    share it: one reads a file's footer while the others needing that file wait, and threads
-    needing other files do not."""
+    """Each data file's size, tail (at most 64 KiB) and Parquet footer, read once (one
+    ``read_tail``) and reused for every episode in it. Threads share it: a file's footer is read
+    under that file's lock, so only the threads that need the same file wait."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
