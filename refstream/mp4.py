@@ -7,7 +7,7 @@ Use::
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
-:func:`walk_boxes` and :func:`box_header` also serve reports that show a file's boxes.
+:func:`walk_boxes` and :func:`read_box` also serve reports that show a file's boxes.
 ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
 differently. An entry count is checked against its box before anything is allocated. Errors name
 the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
@@ -27,7 +27,7 @@ import numpy as np
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
 __all__ = ["Box", "SampleIndex", "EditList", "parse_index", "parse_index_bytes", "locate_moov",
-           "parse_moov", "walk_boxes", "box_header"]
+           "parse_moov", "walk_boxes", "read_box"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -106,8 +106,9 @@ class EditList:
 # --- box walking ------------------------------------------------------------------------------
 
 
-def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple[str, int, int]:
-    """(type, header size, declared size or 0) of the box header at ``data[pos]`` (SPEC §6.1)."""
+def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) -> Box:
+    """The box whose header is at ``data[pos:limit]`` (SPEC §6.1); ``base`` is the file offset of
+    ``data[0]`` and ``end`` the file offset where its parent (or the file) ends."""
     where = base + pos
     if limit - pos < 8:
         raise MalformedMp4(f"{path}: truncated box header at offset {where}")
@@ -126,7 +127,13 @@ def box_header(data: bytes, pos: int, limit: int, base: int, path: str) -> tuple
             f"{path}: box '{kind}' at offset {where}: size {size} is smaller than its"
             f" {header}-byte header"
         )
-    return kind, header, size
+    size = size or end - where  # size 0: the box extends to the end of its parent
+    if size < header or where + size > end:
+        raise MalformedMp4(
+            f"{path}: box '{kind}' at offset {where} (size {size}) runs past the end of its"
+            f" parent (or the file) at offset {end}"
+        )
+    return Box(kind, where, header, size)
 
 
 def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[Box]:
@@ -135,16 +142,8 @@ def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[
     boxes = []
     pos = start
     while pos < end:
-        kind, header, size = box_header(data, pos, end, base, path)
-        if size == 0:
-            size = end - pos
-        if size < header or pos + size > end:
-            raise MalformedMp4(
-                f"{path}: box '{kind}' at offset {base + pos} (size {size}) runs past the end"
-                f" of its parent at offset {base + end}"
-            )
-        boxes.append(Box(kind, base + pos, header, size))
-        pos += size
+        boxes.append(read_box(data, pos, end, base, base + end, path))
+        pos += boxes[-1].size
     return boxes
 
 
@@ -164,23 +163,17 @@ def locate_moov(read_range: ReadRange, file_size: int, path: str) -> tuple[Box, 
         if not (buf_at <= pos and pos + min(16, file_size - pos) <= buf_at + len(buf)):
             buf, buf_at = _read(read_range, pos, min(PROBE_BYTES, file_size - pos), path), pos
         at = pos - buf_at
-        kind, header, size = box_header(buf, at, len(buf), buf_at, path)
-        size = size or file_size - pos  # size 0: the last box, to the end of the file
-        if pos + size > file_size:
-            raise MalformedMp4(
-                f"{path}: box '{kind}' at offset {pos} (size {size}) runs past the end of the"
-                f" file ({file_size} bytes)"
-            )
-        if kind == "moof":
+        box = read_box(buf, at, len(buf), buf_at, file_size, path)
+        if box.type == "moof":
             raise UnsupportedMp4(f"{path}: fragmented MP4 ('moof' at offset {pos})")
-        if kind in ("ftyp", "moov"):
-            held = buf[at : at + size]
-            if len(held) < size:  # finish the box with one read of what is missing
-                held += _read(read_range, pos + len(held), size - len(held), path)
-            if kind == "moov":
-                return Box(kind, pos, header, size), held, ftyp
+        if box.type in ("ftyp", "moov"):
+            held = buf[at : at + box.size]
+            if len(held) < box.size:  # finish the box with one read of what is missing
+                held += _read(read_range, pos + len(held), box.size - len(held), path)
+            if box.type == "moov":
+                return box, held, ftyp
             ftyp = held
-        pos += size
+        pos = box.end
     raise MalformedMp4(f"{path}: no 'moov' box in {file_size} bytes")
 
 

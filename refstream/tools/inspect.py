@@ -11,9 +11,9 @@ from refstream.mp4 import (
     _edit_list,
     _Moov,
     _video_track,
-    box_header,
     locate_moov,
     parse_moov,
+    read_box,
     walk_boxes,
 )
 
@@ -30,10 +30,9 @@ def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
     pos = 0
     while pos < file_size:
         head = read_range(pos, min(32, file_size - pos))
-        kind, header, size = box_header(head, 0, len(head), pos, path)
-        box = Box(kind, pos, header, size or file_size - pos)
+        box = read_box(head, 0, len(head), pos, file_size, path)
         out.append((0, box))
-        if kind == "moov":
+        if box.type == "moov":
             out.extend(_subtree(moov_bytes, moov, path, 1))
         pos = box.end
     return out
