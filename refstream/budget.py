@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError
+from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError, check_at_least
 
 __all__ = ["ByteBudget", "BudgetSnapshot"]
 
@@ -61,8 +61,7 @@ class ByteBudget:
     """A thread-safe table of whole-episode byte reservations bounded by ``budget_bytes``."""
 
     def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes <= 0:
-            raise UsageError(f"byte budget must be > 0 bytes, got {budget_bytes}")
+        check_at_least(1, budget_bytes=budget_bytes)
         self.budget_bytes = int(budget_bytes)
         self._cond = threading.Condition(threading.Lock())
         self._table: OrderedDict[int, _Reservation] = OrderedDict()  # LRU first

@@ -57,6 +57,13 @@ class TopologyChanged(ResumeError):
     """A checkpoint's setup differs from this run's in more than the topology (SPEC §3.6)."""
 
 
+def check_at_least(least: int, **counts: int | None) -> None:
+    """UsageError naming the first of ``counts`` below ``least`` (None: not given)."""
+    for name, value in counts.items():
+        if value is not None and value < least:
+            raise UsageError(f"{name} must be at least {least}, got {value}")
+
+
 # --- the dataset ---------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from itertools import islice
 
 import numpy as np
 
-from refstream.errors import EpisodeTooLarge, UsageError
+from refstream.errors import EpisodeTooLarge, UsageError, check_at_least
 from refstream.rng import below, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
@@ -178,13 +178,10 @@ class Planner:
 
 def _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size) -> None:
     check_episodes(episodes, frames)
-    for name, value in (("epoch", epoch), ("rank", rank), ("worker", worker)):
-        if value < 0:
-            raise UsageError(f"{name} must be non-negative, got {value}")
+    check_at_least(0, epoch=epoch, rank=rank, worker=worker)
+    check_at_least(1, pool_size=pool_size)
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if pool_size < 1:
-        raise UsageError(f"pool_size must be at least 1, got {pool_size}")
 
 
 def _rest(episodes, frames, delivered) -> list[int]:

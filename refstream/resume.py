@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from refstream.errors import ResumeError, TopologyChanged, UsageError
+from refstream.errors import ResumeError, TopologyChanged, UsageError, check_at_least
 from refstream.planner import STRATEGIES, Planner
 from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
@@ -157,8 +157,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
     """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (``None``: never
     ends), SPEC §3.6, Replay."""
-    if batches < 0:
-        raise UsageError(f"batches must be non-negative, got {batches}")
+    check_at_least(0, batches=batches)
     workers = len(limits)
     if workers == 0:
         raise UsageError("batches_per_worker needs at least one worker")
@@ -183,8 +182,7 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
     """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
-    if batch_size < 1:
-        raise UsageError(f"batch_size must be positive, got {batch_size}")
+    check_at_least(1, batch_size=batch_size)
     if not world_worker_frames:
         raise UsageError("epoch_batches needs at least one rank")
     return min(sum(_batches(f, batch_size) for f in rank) for rank in world_worker_frames)
@@ -212,8 +210,7 @@ def resume_positions(
 ) -> ResumePositions:
     """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
     anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
-    if batch_size < 1:
-        raise UsageError(f"batch_size must be positive, got {batch_size}")
+    check_at_least(1, batch_size=batch_size)
     if epoch < 0 or samples < 0:
         raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
     _check_whole_batches(samples, batch_size)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
-from refstream.errors import ShardingError, UsageError
+from refstream.errors import ShardingError, UsageError, check_at_least
 
 __all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_share",
            "worker_shares", "split_limits"]
@@ -116,13 +116,9 @@ def split_limits(
     cameras: int,
 ) -> WorkerLimits:
     """One worker's limits from the per-rank settings (SPEC §2.3)."""
-    # (setting, value, least value); byte_budget needs a byte for each worker.
-    settings = (("num_workers", num_workers, 1), ("cameras", cameras, 0),
-                ("pool_size", pool_size, 1), ("decoder_cache", decoder_cache, 1),
-                ("byte_budget (bytes per rank)", byte_budget, num_workers))
-    for name, value, least in settings:
-        if value is not None and value < least:
-            raise UsageError(f"{name} must be at least {least}, got {value}")
+    check_at_least(1, num_workers=num_workers, pool_size=pool_size, decoder_cache=decoder_cache)
+    check_at_least(0, cameras=cameras)
+    check_at_least(num_workers, byte_budget=byte_budget)  # bytes per rank: one for each worker
     if pool_size is None:
         # round(32 / N) in integers, halves up (SPEC §2.3 says why that equals LeRobot's).
         pool_size = max(1, (2 * DEFAULT_RANK_POOL_SIZE + num_workers) // (2 * num_workers))
