@@ -38,12 +38,10 @@ log = logging.getLogger(__name__)
 class BudgetSnapshot:
     """The table's counters, read together under its lock (all sizes in bytes)."""
 
-    budget_bytes: int
     reserved_bytes: int
     resident_bytes: int
     peak_reserved_bytes: int
     leases: int  # total lease count over all episodes
-    evictions: int  # episodes evicted since construction
 
 
 @dataclass(slots=True)
@@ -68,7 +66,6 @@ class ByteBudget:
         self._reserved_bytes = 0
         self._peak_reserved_bytes = 0
         self._evicted: list[int] = []
-        self._evictions = 0
         self._closed = False
 
     # --- counters -------------------------------------------------------------------------
@@ -81,12 +78,10 @@ class ByteBudget:
     def snapshot(self) -> BudgetSnapshot:
         with self._cond:
             return BudgetSnapshot(
-                budget_bytes=self.budget_bytes,
                 reserved_bytes=self._reserved_bytes,
                 resident_bytes=sum(r.resident_bytes for r in self._table.values()),
                 peak_reserved_bytes=self._peak_reserved_bytes,
                 leases=sum(r.leases for r in self._table.values()),
-                evictions=self._evictions,
             )
 
     def is_reserved(self, episode: int) -> bool:
@@ -224,7 +219,6 @@ class ByteBudget:
             for victim in victims:
                 self._drop_locked(victim)
                 self._evicted.append(victim)
-                self._evictions += 1
         self._table[episode] = _Reservation(size_bytes)
         self._reserved_bytes += size_bytes
         self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
