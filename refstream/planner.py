@@ -20,9 +20,10 @@ step, and an episode larger than the whole budget is refused at construction.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
-from itertools import islice
+from itertools import accumulate, islice
 
 import numpy as np
 
@@ -68,7 +69,6 @@ class Planner:
         self._left: dict[int, int] = {}  # resident -> frames not yet emitted, admission order
         self._orders: dict[int, list[int]] = {}  # resident -> its frame permutation (lazy)
         self._emitted = 0  # anchors emitted so far = the next draw number
-        self._total = sum(self._rest.values())
         self._frames_key = derive_key(seed, epoch, "frames")
         self._draw_key = derive_key(seed, epoch, "draw", rank, worker)
         self._round_key = derive_key(seed, epoch, "round", rank, worker)
@@ -88,7 +88,7 @@ class Planner:
     @property
     def remaining(self) -> int:
         """Anchors left this epoch."""
-        return self._total - self._emitted
+        return sum(self._rest.values()) - self._emitted
 
     def frontier(self, k: int) -> list[int]:
         """The next ``k`` waiting episodes in admission order; admits nothing (SPEC §3.4)."""
@@ -133,13 +133,10 @@ class Planner:
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
-        if self._strategy == "pool":
-            t = below(sum(self._left.values()), self._draw_key, self._emitted)  # R
-            for episode, left in self._left.items():
-                if t < left:
-                    return episode
-                t -= left
-            raise AssertionError("draw beyond the pool's frames")
+        if self._strategy == "pool":  # the resident whose frames left hold draw t
+            ends = list(accumulate(self._left.values()))  # ends[-1] is R
+            t = below(ends[-1], self._draw_key, self._emitted)
+            return list(self._left)[bisect_right(ends, t)]
         if not self._round:
             key = extend_key(self._round_key, self._rounds_started)
             self._round = deque(permutation(key, list(self._left)).tolist())
@@ -147,17 +144,14 @@ class Planner:
         return self._round.popleft()
 
     def _take(self, episode: int) -> None:
+        """One anchor of ``episode``; after its last it leaves the pool, and others come in."""
         self._emitted += 1
         self._left[episode] -= 1
         if not self._left[episode]:
-            self._evict(episode)
-
-    def _evict(self, episode: int) -> None:
-        """``episode`` has emitted its last anchor: it leaves the pool, and others come in."""
-        del self._left[episode]
-        self._orders.pop(episode, None)
-        self._evicted_events.append(episode)
-        self._admit()
+            del self._left[episode]
+            self._orders.pop(episode, None)
+            self._evicted_events.append(episode)
+            self._admit()
 
     def _admit(self) -> None:
         """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
