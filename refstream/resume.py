@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 
 import numpy as np
 
@@ -81,7 +81,7 @@ class ResumeState:
 
     def to_dict(self) -> dict:
         """The flat JSON-ready dict that :meth:`from_dict` reads back."""
-        history = [[s.world_size, s.num_workers, s.batch_size, s.samples] for s in self.history]
+        history = [list(astuple(segment)) for segment in self.history]
         return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup),
                 "history": history}
 
@@ -121,10 +121,9 @@ class ResumeState:
             raise TopologyChanged(
                 f"cannot resume this checkpoint, its setup differs: {', '.join(changes)} (only "
                 "the world size, worker count and batch size may change)")
-        if all(getattr(self.setup, name) == getattr(current, name) for name in TOPOLOGY):
+        if self.setup == current:  # the same topology: the same position
             return self
-        old = self.setup
-        segment = Segment(old.world_size, old.num_workers, old.batch_size, self.samples)
+        segment = Segment(*(getattr(self.setup, name) for name in TOPOLOGY), self.samples)
         return ResumeState(self.epoch, 0, current, (*self.history, segment))
 
 
