@@ -83,7 +83,6 @@ class Source(Protocol):
 
     def read_bytes(self, relpath: str) -> bytes:
         """The file's bytes; a missing file raises :class:`MalformedDataset` naming it."""
-        ...
 
 
 def check_relpath(relpath: str) -> str:
