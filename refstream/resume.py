@@ -26,6 +26,7 @@ strategy, pool setting, repeat or selection is refused, never reinterpreted.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, astuple, dataclass, fields
 
@@ -164,19 +165,15 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
         full, extra = divmod(batches, workers)
         return [full + (w < extra) for w in range(workers)], extra
     counts = [0] * workers
-    active = [w for w, limit in enumerate(limits) if limit is None or limit > 0]
-    turn = 0
+    turns = deque(w for w, limit in enumerate(limits) if limit is None or limit > 0)
     for _ in range(batches):
-        if not active:
+        if not turns:
             break
-        worker = active[turn]
+        worker = turns.popleft()
         counts[worker] += 1
-        if limits[worker] is not None and counts[worker] >= limits[worker]:
-            active.pop(turn)
-        else:
-            turn += 1
-        turn = turn % len(active) if active else 0
-    return counts, (active[turn] if active else 0)
+        if limits[worker] is None or counts[worker] < limits[worker]:
+            turns.append(worker)  # a worker not yet ended takes its next turn after the others
+    return counts, (turns[0] if turns else 0)
 
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
