@@ -304,15 +304,13 @@ class Course:
     def _plan(self, delivered: np.ndarray) -> _Epoch:
         left = self._frames - delivered
         episodes, counts = list(self.order.episodes), left.tolist()
+        ordinary = not delivered.any()  # then an empty share is a ShardingError saying what to use
         shares = []
-        for ids in lpt_partition(episodes, counts, self.world_size):
-            shares.append(lpt_partition(ids, [counts[self._index[e]] for e in ids],
-                                        self.num_workers))
-        if not delivered.any():
-            for rank, parts in enumerate(shares):
-                if not all(parts):  # ShardingError saying what to use instead
-                    ids = rank_share(episodes, counts, rank, self.world_size)
-                    worker_shares(ids, [counts[self._index[e]] for e in ids], self.num_workers)
+        for rank, ids in enumerate(lpt_partition(episodes, counts, self.world_size)):
+            if ordinary and not ids:
+                rank_share(episodes, counts, rank, self.world_size)
+            split = worker_shares if ordinary else lpt_partition
+            shares.append(split(ids, [counts[self._index[e]] for e in ids], self.num_workers))
         lengths = [[int(left[[self._index[e] for e in part]].sum()) for part in parts]
                    for parts in shares]
         batches = None if self.order.repeat else epoch_batches(lengths, self.batch_size)
