@@ -63,7 +63,6 @@ class ByteBudget:
         self.budget_bytes = int(budget_bytes)
         self._cond = threading.Condition(threading.Lock())
         self._table: OrderedDict[int, _Reservation] = OrderedDict()  # LRU first
-        self._reserved_bytes = 0
         self._peak_reserved_bytes = 0
         self._evicted: list[int] = []
         self._closed = False
@@ -73,12 +72,12 @@ class ByteBudget:
     @property
     def reserved_bytes(self) -> int:
         with self._cond:
-            return self._reserved_bytes
+            return self._reserved_locked()
 
     def snapshot(self) -> BudgetSnapshot:
         with self._cond:
             return BudgetSnapshot(
-                reserved_bytes=self._reserved_bytes,
+                reserved_bytes=self._reserved_locked(),
                 resident_bytes=sum(r.resident_bytes for r in self._table.values()),
                 peak_reserved_bytes=self._peak_reserved_bytes,
                 leases=sum(r.leases for r in self._table.values()),
@@ -133,7 +132,7 @@ class ByteBudget:
                 raise UsageError(f"episode {episode}: forget while {entry.leases} lease(s) held")
             if entry.claimed and not entry.fetched:
                 raise UsageError(f"episode {episode}: forget while its fetch is in flight")
-            self._drop_locked(episode)
+            del self._table[episode]
             self._cond.notify_all()
 
     def take_evicted(self) -> list[int]:
@@ -184,12 +183,15 @@ class ByteBudget:
 
     # --- internals (caller holds the lock) --------------------------------------------------
 
+    def _reserved_locked(self) -> int:
+        return sum(entry.size_bytes for entry in self._table.values())
+
     def _wait_reserve_locked(self, episode: int, size_bytes: int, timeout_s: float | None) -> bool:
         if self._reserve_locked(episode, size_bytes):
             return True
         if timeout_s is None or timeout_s > 0:
             log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
-                      episode, size_bytes, self._reserved_bytes, self.budget_bytes)
+                      episode, size_bytes, self._reserved_locked(), self.budget_bytes)
         return self._cond.wait_for(lambda: self._reserve_locked(episode, size_bytes), timeout_s)
 
     def _reserve_locked(self, episode: int, size_bytes: int) -> bool:
@@ -211,17 +213,16 @@ class ByteBudget:
                 f"episode {episode}: {size_bytes} bytes exceed the byte budget of "
                 f"{self.budget_bytes} bytes"
             )
-        shortfall = self._reserved_bytes + size_bytes - self.budget_bytes
+        shortfall = self._reserved_locked() + size_bytes - self.budget_bytes
         if shortfall > 0:
             victims = self._victims_locked(shortfall)
             if victims is None:
                 return False
             for victim in victims:
-                self._drop_locked(victim)
+                del self._table[victim]
                 self._evicted.append(victim)
         self._table[episode] = _Reservation(size_bytes)
-        self._reserved_bytes += size_bytes
-        self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
+        self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_locked())
         return True
 
     def _victims_locked(self, shortfall: int) -> list[int] | None:
@@ -235,7 +236,3 @@ class ByteBudget:
                 victims.append(episode)
                 freed += entry.size_bytes
         return victims if freed >= shortfall else None
-
-    def _drop_locked(self, episode: int) -> None:
-        entry = self._table.pop(episode)
-        self._reserved_bytes -= entry.size_bytes
