@@ -460,7 +460,5 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         raise MalformedDataset(
             f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks is {total}"
         )
-    tasks = [""] * len(index)
-    for position, text in zip(index.tolist(), table["task"].to_pylist(), strict=True):
-        tasks[position] = text
-    return tasks
+    rows = sorted(zip(index.tolist(), table["task"].to_pylist(), strict=True))
+    return [text for _, text in rows]  # by task_index, a permutation of 0 … n-1
