@@ -155,8 +155,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
-    """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (``None``: never
-    ends), SPEC §3.6, Replay."""
+    """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (SPEC §3.6)."""
     check_at_least(0, batches=batches)
     workers = len(limits)
     if workers == 0:

@@ -86,8 +86,7 @@ def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
 
 
 def check_tolerance(tolerance_s: object) -> float:
-    """``tolerance_s`` as a float if it is a finite number >= 0 (not a bool), else UsageError:
-    the one check of every ``tolerance_s`` a user gives."""
+    """The one check of every ``tolerance_s`` a user gives (SPEC §5.1 item 1); it as a float."""
     if isinstance(tolerance_s, bool) or not _is_number(tolerance_s) or not tolerance_s >= 0:
         raise UsageError(f"tolerance_s must be a finite number >= 0, got {tolerance_s!r}")
     return float(tolerance_s)
