@@ -123,8 +123,5 @@ def split_limits(
         # round(32 / N) in integers, halves up (SPEC §2.3 says why that equals LeRobot's).
         pool_size = max(1, (2 * DEFAULT_RANK_POOL_SIZE + num_workers) // (2 * num_workers))
     budget = None if byte_budget is None else byte_budget // num_workers
-    if decoder_cache is None:
-        decoders = max(1, pool_size * cameras)
-    else:
-        decoders = max(1, decoder_cache // num_workers)
-    return WorkerLimits(pool_size=pool_size, byte_budget=budget, decoder_cache=decoders)
+    decoders = pool_size * cameras if decoder_cache is None else decoder_cache // num_workers
+    return WorkerLimits(pool_size=pool_size, byte_budget=budget, decoder_cache=max(1, decoders))
