@@ -305,9 +305,8 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     tables.append(full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))
     tables.append(full_box(b"stsz", 0, 0, struct.pack(">II", 0, len(layout.sizes)),
                         layout.sizes.astype(">u4").tobytes()))
-    chunk_offsets = table_box(b"stco" if width == 4 else b"co64", f">u{width}",
-                              payload_at + layout.relative)
-    tables.append(chunk_offsets)
+    chunk_offset_box = b"stco" if width == 4 else b"co64"
+    tables.append(table_box(chunk_offset_box, f">u{width}", payload_at + layout.relative))
 
     minf = box(b"minf", vmhd, dinf, box(b"stbl", *tables))
     trak = box(b"trak", tkhd, box(b"edts", elst), box(b"mdia", mdhd, hdlr, minf))
