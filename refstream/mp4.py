@@ -408,8 +408,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
     if edits is not None:
         empty = _rescale(edits.empty_duration, timescale, movie_timescale)
         length = _rescale(edits.media_duration, timescale, movie_timescale)
-        start = edits.media_time
-        _check_edit_keeps_all(m, presentation, duration, keyframe, start, length,
+        _check_edit_keeps_all(m, presentation, duration, keyframe, edits.media_time, length,
                               ctts is not None)
         dts = dts + empty - max(int(presentation.min()), 0)
     pts = dts + shift + offset
