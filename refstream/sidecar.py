@@ -83,9 +83,6 @@ UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeErr
               SyntaxError, RuntimeError, tokenize.TokenError, zipfile.BadZipFile,
               NotImplementedError, struct.error, zlib.error)
 
-Indexer = Callable[[Callable[[int, int], bytes], int, str], SampleIndex]
-
-
 @dataclass(frozen=True)
 class Record:
     """Where one video file's index lives, and the content it describes."""
@@ -237,8 +234,7 @@ def _parse_record(array, size: int, identity: str, relpath: str) -> SampleIndex:
 
 def ensure_index(source: Source, relpaths: Sequence[str], *,
                  cache_root: str | Path | None = None, workers: int = 8,
-                 lock_timeout_s: float | None = None,
-                 indexer: Indexer | None = None) -> VideoIndex:
+                 lock_timeout_s: float | None = None) -> VideoIndex:
     """Every video file's record: cached, published or built (module docstring, SPEC §10.5)."""
     started = time.monotonic()
     timeout_s = lock_timeout(lock_timeout_s)
@@ -253,7 +249,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
                for relpath, (size, identity) in identities.items() if identity}
     volatile = _volatile_records(folder, identities, records)
     counts = {"cached": 0, "published": 0, "built": 0, "volatile": len(volatile)}
-    _index_files(source, volatile, workers, indexer)
+    _index_files(source, volatile, workers)
     if _missing(records):
         with _exclusive(folder / ".lock", timeout_s):
             _remove_orphans(folder)
@@ -261,7 +257,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
             if missing:
                 counts["published"] = _take_published(source, records, missing)
                 missing = _missing({relpath: records[relpath] for relpath in missing})
-            _index_files(source, {r: records[r] for r in missing}, workers, indexer)
+            _index_files(source, {r: records[r] for r in missing}, workers)
             counts["built"] = len(missing)
             fsync_directory(folder)
     counts["cached"] = len(records) - counts["published"] - counts["built"]
@@ -350,16 +346,14 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
     return taken
 
 
-def _index_files(source: Source, records: dict[str, Record], workers: int,
-                 indexer: Indexer | None) -> None:
+def _index_files(source: Source, records: dict[str, Record], workers: int) -> None:
     """Index every file of ``records`` and install each record as it finishes."""
-    indexer = indexer or parse_index
 
     def index_one(relpath: str, record: Record) -> None:
         if record.identity:  # a read of another version of the file: PayloadChanged
             source.expect_identity(relpath, record.identity)
-        index = indexer(lambda offset, length: source.read_range(relpath, offset, length),
-                        record.size, relpath)
+        index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
+                            record.size, relpath)
         data = record_bytes(index, record.identity)  # read_record below checks its size
         install(Path(record.path), lambda f: f.write(data),
                 lambda p: read_record(p, record.size, record.identity, relpath, verify=True))

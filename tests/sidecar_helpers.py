@@ -1,5 +1,6 @@
-"""Helpers for the sidecar tests: a small dataset of real MP4 files, an oracle indexer, and a
-command-line builder so other processes can build (or hold the lock) concurrently.
+"""Helpers for the sidecar tests: a small dataset of real MP4 files, an oracle indexer, index
+builds with another indexer, and a command-line builder so other processes can build (or hold
+the lock) concurrently.
 
 Run as ``python tests/sidecar_helpers.py build CACHE ROOT LOG DELAY_S`` to build the index of the
 dataset in ROOT, one file at a time, with an indexer that appends one line per indexed file to
@@ -16,12 +17,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from media import encode_video, index_from_pyav, pattern_frames  # noqa: E402
 
-from refstream.sidecar import ensure_index  # noqa: E402
+from refstream import sidecar  # noqa: E402
 from refstream.source import LocalSource  # noqa: E402
 
 # Three files in two folders, like a LeRobot videos/ tree, with both codecs.
@@ -61,6 +63,12 @@ def pyav_indexer(log_path: Path | None = None, delay_s: float = 0.0, wait=None):
     return indexer
 
 
+def ensure_with(indexer, source, relpaths, **options) -> sidecar.VideoIndex:
+    """``sidecar.ensure_index`` indexing each file with ``indexer`` instead of ``parse_index``."""
+    with mock.patch.object(sidecar, "parse_index", indexer):
+        return sidecar.ensure_index(source, relpaths, **options)
+
+
 class NoIdentitySource(LocalSource):
     """A folder whose files have no identity, as an HTTP server without ETag or Last-Modified."""
 
@@ -73,8 +81,8 @@ def main(argv: list[str]) -> None:
         cache, root, log, delay = argv[1:5]
         indexer = (pyav_indexer(Path(log), wait=sys.stdin.readline) if delay == "stdin"
                    else pyav_indexer(Path(log), float(delay)))
-        index = ensure_index(LocalSource(root), sorted(DATASET_FILES), cache_root=cache,
-                             workers=1, indexer=indexer)
+        index = ensure_with(indexer, LocalSource(root), sorted(DATASET_FILES), cache_root=cache,
+                            workers=1)
         print(index.origin, index.indexed, flush=True)
     elif argv[0] == "hold":
         fd = os.open(argv[1], os.O_RDWR | os.O_CREAT, 0o644)
@@ -83,8 +91,8 @@ def main(argv: list[str]) -> None:
         time.sleep(3600)
     elif argv[0] == "volatile":
         cache, root = argv[1:3]
-        index = ensure_index(NoIdentitySource(root), sorted(DATASET_FILES), cache_root=cache,
-                             workers=1, indexer=pyav_indexer())
+        index = ensure_with(pyav_indexer(), NoIdentitySource(root), sorted(DATASET_FILES),
+                            cache_root=cache, workers=1)
         print(" ".join(record.path for record in index.records.values()), flush=True)
         time.sleep(3600)
 

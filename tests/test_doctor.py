@@ -22,10 +22,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lerobot_layout import write_layout
+from sidecar_helpers import ensure_with
 
 from refstream import sidecar
 from refstream.errors import UsageError
 from refstream.meta import load_meta
+from refstream.mp4 import parse_index
 from refstream.source import open_source
 from refstream.tools import adapters
 from refstream.tools.cli import export_index, main
@@ -489,11 +491,10 @@ def test_tolerance_must_be_a_finite_non_negative_number(dataset):
 # --- 5. sidecar ------------------------------------------------------------------------------
 
 
-def build_sidecar(root: Path, cache_root: Path, indexer=None) -> sidecar.VideoIndex:
+def build_sidecar(root: Path, cache_root: Path, indexer=parse_index) -> sidecar.VideoIndex:
     source = open_source(root)
     relpaths = sidecar.video_relpaths(load_meta(source))
-    return sidecar.ensure_index(source, relpaths, cache_root=cache_root, workers=1,
-                                indexer=indexer)
+    return ensure_with(indexer, source, relpaths, cache_root=cache_root, workers=1)
 
 
 def test_valid_sidecar_is_compared_with_the_files(dataset):
@@ -532,7 +533,6 @@ def test_a_corrupt_record_is_a_note_because_training_indexes_it_again(dataset):
 def test_sidecar_that_disagrees_with_the_files_fails(dataset):
     """A record valid for the file's size and identity but with wrong sample times would be
     trusted by training: the doctor compares it field by field with the parsed file."""
-    from refstream.mp4 import parse_index
 
     def late_indexer(read_range, size, relpath):
         index = parse_index(read_range, size, relpath)
@@ -547,8 +547,6 @@ def test_sidecar_that_disagrees_with_the_files_fails(dataset):
 
 
 def test_published_sidecar_is_checked(dataset):
-    from refstream.mp4 import parse_index
-
     def late_indexer(read_range, size, relpath):
         index = parse_index(read_range, size, relpath)
         return dataclasses.replace(index, width=index.width + 2)

@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 from make_sidecar_decode_fixtures import FIXTURES, oracle_sidecar_record
 from media import encode_video, index_from_pyav, pattern_frames
 from rangeserver import HubConfig, RangeServer, etag_of
-from sidecar_helpers import DATASET_FILES, NoIdentitySource, make_dataset, pyav_indexer
+from sidecar_helpers import (
+    DATASET_FILES,
+    NoIdentitySource,
+    ensure_with,
+    make_dataset,
+    pyav_indexer,
+)
 
 from refstream import sidecar
 from refstream.errors import (
@@ -88,8 +94,8 @@ class Counting:
 
 
 def ensure(root: Path, cache: Path, indexer=None, **options):
-    return ensure_index(LocalSource(root), RELPATHS, cache_root=cache, workers=2,
-                        indexer=indexer or pyav_indexer(), **options)
+    return ensure_with(indexer or pyav_indexer(), LocalSource(root), RELPATHS, cache_root=cache,
+                       workers=2, **options)
 
 
 def assert_same_values(actual: SampleIndex, expected: SampleIndex) -> None:
@@ -321,7 +327,7 @@ def open_hub(root: str, cache: Path, indexer=None):
     source = open_source(root)
     try:
         relpaths = sidecar.video_relpaths(load_meta(source))
-        return ensure_index(source, relpaths, cache_root=cache, indexer=indexer or never)
+        return ensure_with(indexer or never, source, relpaths, cache_root=cache)
     finally:
         source.close()
 
@@ -576,8 +582,7 @@ def test_another_job_never_deletes_a_live_jobs_files(root, cache):
         mine.write_bytes(b"being written")
         gone.write_bytes(b"left behind")
         with pytest.warns(UserWarning, match="no stable identity"):
-            ensure_index(NoIdentitySource(root), RELPATHS, cache_root=cache,
-                         indexer=pyav_indexer())
+            ensure_with(pyav_indexer(), NoIdentitySource(root), RELPATHS, cache_root=cache)
         bump_mtime(root / RELPATHS[0])  # a build under the lock: it cleans up too
         ensure(root, cache)
         assert all(p.exists() for p in paths) and mine.exists() and not gone.exists()
@@ -585,7 +590,7 @@ def test_another_job_never_deletes_a_live_jobs_files(root, cache):
         live.kill()
         live.wait()
     with pytest.warns(UserWarning):  # the job is gone: its files go with the next job's cleanup
-        ensure_index(NoIdentitySource(root), RELPATHS, cache_root=cache, indexer=pyav_indexer())
+        ensure_with(pyav_indexer(), NoIdentitySource(root), RELPATHS, cache_root=cache)
     assert not any(p.exists() for p in paths) and not mine.exists()
 
 
@@ -593,8 +598,7 @@ def test_a_source_without_identity_is_indexed_on_every_open_with_a_warning(root,
     for _ in range(2):
         counting = Counting()
         with pytest.warns(UserWarning, match=f"{RELPATHS[0]} and 2 more files have no stable"):
-            index = ensure_index(NoIdentitySource(root), RELPATHS, cache_root=cache,
-                                 indexer=counting)
+            index = ensure_with(counting, NoIdentitySource(root), RELPATHS, cache_root=cache)
         assert index.origin == "volatile" and sorted(counting.calls) == RELPATHS
         assert_matches_oracle(index, root)
     with pytest.raises(UsageError, match="no stable identity"):
