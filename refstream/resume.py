@@ -7,9 +7,8 @@ The order of a rank's stream is a pure function of its setup, so a checkpoint is
     setup = ResumeSetup(seed=…, strategy=…, …, selection=selection_digest(episodes, frames))
     saved = ResumeState(epoch, samples, setup).to_dict()          # a plain dict for the checkpoint
     state = ResumeState.from_dict(saved).resume_with(setup)       # ResumeError, TopologyChanged
-    order = Order(episodes, frames, seed=…, strategy=…, …)        # + byte_sizes under a budget
-    course = Course(order, delivered_by(order, state.epoch, state.history),
-                    world_size, num_workers, batch_size)
+    delivered = delivered_by(state, episodes, frames, byte_sizes)  # byte_sizes: under a budget
+    course = Course(state.setup, episodes, frames, delivered)
     start = course.positions(rank, state.samples)
     planner = course.planner(rank, w, start.epochs[w], byte_sizes)   # then skip(start.offsets[w])
 
@@ -28,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import numpy as np
 
@@ -36,9 +35,9 @@ from refstream.errors import ResumeError, TopologyChanged, UsageError, check_at_
 from refstream.planner import STRATEGIES, Planner
 from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
-__all__ = ["TOPOLOGY", "ResumeSetup", "Segment", "ResumeState", "ResumePositions", "Order",
-           "Delivered", "Course", "delivered_by", "selection_digest", "batches_per_worker",
-           "epoch_batches", "resume_positions"]
+__all__ = ["TOPOLOGY", "ResumeSetup", "Segment", "ResumeState", "ResumePositions", "Delivered",
+           "Course", "delivered_by", "selection_digest", "batches_per_worker", "epoch_batches",
+           "resume_positions"]
 
 
 @dataclass(frozen=True)
@@ -252,23 +251,8 @@ def _walk(consumed: int, rests: Sequence[int], ordinary: int) -> tuple[int, int]
 
 
 @dataclass(frozen=True)
-class Order:
-    """The selection and the planner settings; ``byte_sizes`` (one per episode) is needed only
-    to replay other workers under a byte budget."""
-
-    episodes: tuple[int, ...]
-    frames: tuple[int, ...]
-    seed: int
-    strategy: str
-    pool_size: int | None  # per worker as configured; None = the per-rank default
-    byte_budget: int | None  # per rank
-    repeat: bool
-    byte_sizes: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
 class Delivered:
-    """SPEC §3.9, Delivered frames: ``counts[i][k]`` = ``d`` of episode ``order.episodes[k]`` in
+    """SPEC §3.9, Delivered frames: ``counts[i][k]`` = ``d`` of the selection's ``k``-th episode in
     epoch ``first + i``."""
 
     first: int
@@ -286,33 +270,34 @@ class _Epoch:
 
 
 class Course:
-    """Every rank's and worker's plans under one topology: the rest of the epochs in progress,
-    then ordinary epochs (SPEC §3.9, Plans; ShardingError for an empty ordinary share)."""
+    """Every rank's and worker's plans of the selected ``episodes`` (``frames`` each) under
+    ``setup``: the rest of the epochs in progress, then ordinary epochs (SPEC §3.9, Plans;
+    ShardingError for an empty ordinary share)."""
 
-    def __init__(self, order: Order, delivered: Delivered, world_size: int, num_workers: int,
-                 batch_size: int) -> None:
-        self.order, self.delivered = order, delivered
-        self.world_size, self.num_workers, self.batch_size = world_size, num_workers, batch_size
-        self._index = {e: i for i, e in enumerate(order.episodes)}
-        self._frames = np.asarray(order.frames, dtype=np.int64)
-        self._limits = split_limits(num_workers, pool_size=order.pool_size,
-                                    byte_budget=order.byte_budget, decoder_cache=None, cameras=0)
+    def __init__(self, setup: ResumeSetup, episodes: Sequence[int], frames: Sequence[int],
+                 delivered: Delivered) -> None:
+        self.setup, self.episodes, self.delivered = setup, list(episodes), delivered
+        self._index = {e: i for i, e in enumerate(self.episodes)}
+        self._frames = np.asarray(frames, dtype=np.int64)
+        self._limits = split_limits(setup.num_workers, pool_size=setup.pool_size,
+                                    byte_budget=setup.byte_budget, decoder_cache=None, cameras=0)
         self._ordinary = self._plan(np.zeros_like(self._frames))
         self._open = [self._plan(counts) for counts in delivered.counts]
 
     def _plan(self, delivered: np.ndarray) -> _Epoch:
         left = self._frames - delivered
-        episodes, counts = list(self.order.episodes), left.tolist()
+        episodes, counts = self.episodes, left.tolist()
+        setup = self.setup
         ordinary = not delivered.any()  # then an empty share is a ShardingError saying what to use
         shares = []
-        for rank, ids in enumerate(lpt_partition(episodes, counts, self.world_size)):
+        for rank, ids in enumerate(lpt_partition(episodes, counts, setup.world_size)):
             if ordinary and not ids:
-                rank_share(episodes, counts, rank, self.world_size)
+                rank_share(episodes, counts, rank, setup.world_size)
             split = worker_shares if ordinary else lpt_partition
-            shares.append(split(ids, [counts[self._index[e]] for e in ids], self.num_workers))
+            shares.append(split(ids, [counts[self._index[e]] for e in ids], setup.num_workers))
         lengths = [[int(left[[self._index[e] for e in part]].sum()) for part in parts]
                    for parts in shares]
-        batches = None if self.order.repeat else epoch_batches(lengths, self.batch_size)
+        batches = None if setup.repeat else epoch_batches(lengths, setup.batch_size)
         return _Epoch(delivered, shares, lengths, batches)
 
     def _epoch(self, epoch: int) -> _Epoch:
@@ -326,8 +311,8 @@ class Course:
     def positions(self, rank: int, samples: int) -> ResumePositions:
         """Where each logical worker of ``rank`` starts after ``samples`` with this topology."""
         return resume_positions(
-            self._ordinary.lengths[rank], self.batch_size, epoch=self.delivered.first,
-            samples=samples, repeat=self.order.repeat, rank_batches=self._ordinary.rank_batches,
+            self._ordinary.lengths[rank], self.setup.batch_size, epoch=self.delivered.first,
+            samples=samples, repeat=self.setup.repeat, rank_batches=self._ordinary.rank_batches,
             remainders=[(e.lengths[rank], e.rank_batches) for e in self._open])
 
     def planner(self, rank: int, worker: int, epoch: int,
@@ -339,20 +324,17 @@ class Course:
         at = [self._index[e] for e in share]
         budget = None if byte_sizes is None else self._limits.byte_budget
         return Planner(
-            share, self._frames[at].tolist(), seed=self.order.seed, epoch=epoch, rank=rank,
-            worker=worker, strategy=self.order.strategy, pool_size=self._limits.pool_size,
+            share, self._frames[at].tolist(), seed=self.setup.seed, epoch=epoch, rank=rank,
+            worker=worker, strategy=self.setup.strategy, pool_size=self._limits.pool_size,
             byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
             byte_budget=budget, delivered=plan.delivered[at].tolist())
 
-    def after(self, samples: int) -> Delivered:
-        """What has been delivered once every rank consumed ``samples`` with this topology."""
-        order = self.order
-        sizes = None
-        if order.byte_budget is not None:
-            if order.byte_sizes is None:
-                raise UsageError("replaying workers under a byte budget needs the byte sizes")
-            sizes = dict(zip(order.episodes, order.byte_sizes, strict=True))
-        starts = [self.positions(rank, samples) for rank in range(self.world_size)]
+    def after(self, samples: int, byte_sizes: Mapping[int, int] | None) -> Delivered:
+        """What has been delivered once every rank consumed ``samples`` with this topology;
+        under a byte budget the replay needs every episode's ``byte_sizes``."""
+        if self.setup.byte_budget is not None and byte_sizes is None:
+            raise UsageError("replaying workers under a byte budget needs the byte sizes")
+        starts = [self.positions(rank, samples) for rank in range(self.setup.world_size)]
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),
                     self.delivered.first + len(self.delivered.counts) - 1])
@@ -364,7 +346,7 @@ class Course:
                     at = [self._index[e] for e in self.share(rank, worker, done)]
                     counts[done - first][at] = self._frames[at]
                 if offset:
-                    planner = self.planner(rank, worker, epoch, sizes)
+                    planner = self.planner(rank, worker, epoch, byte_sizes)
                     planner.skip(offset)
                     for episode, n in planner.emitted().items():
                         counts[epoch - first][self._index[episode]] += n
@@ -373,13 +355,15 @@ class Course:
         return Delivered(first, tuple(counts))
 
 
-def delivered_by(order: Order, epoch: int, history: Sequence[Segment]) -> Delivered:
-    """What the segments of ``history`` delivered in turn from ``epoch`` on (SPEC §3.9)."""
-    delivered = Delivered(epoch)
-    for segment in history:
-        course = Course(order, delivered, segment.world_size, segment.num_workers,
-                        segment.batch_size)
-        delivered = course.after(segment.samples)
+def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[int],
+                 byte_sizes: Mapping[int, int] | None = None) -> Delivered:
+    """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (SPEC
+    §3.9); ``byte_sizes`` as :meth:`Course.after` needs them."""
+    delivered = Delivered(state.epoch)
+    for segment in state.history:
+        topology = {name: getattr(segment, name) for name in TOPOLOGY}
+        course = Course(replace(state.setup, **topology), episodes, frames, delivered)
+        delivered = course.after(segment.samples, byte_sizes)
     return delivered
 
 

@@ -163,12 +163,13 @@ class StreamingDataset(IterableDataset):
         if self.num_workers is None:
             raise UsageError(f"len() of a {'batched' if self.batched else 'distributed'} epoch "
                              "needs the DataLoader's worker count: give num_workers=N")
-        course = resume.Course(self._order(), resume.Delivered(0), self.world_size,
-                               max(1, self.num_workers), self.batch_size)
+        workers = max(1, self.num_workers)
+        course = resume.Course(self._setup(self.batch_size, workers), self.episodes,
+                               self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.share(self.rank, w, 0))
-                     for w in range(course.num_workers)]
+                     for w in range(workers)]
         if not self.batched:
             return sum(stops)
         return sum(-(-stop // self.batch_size) for stop in stops)
@@ -221,8 +222,7 @@ class StreamingDataset(IterableDataset):
         self._delivered = None
         if resumed.history:
             sizes = self._byte_sizes(self.episodes) if self.meta.camera_keys else None
-            self._delivered = resume.delivered_by(self._order(sizes), resumed.epoch,
-                                                  resumed.history)
+            self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, self.batch_size, workers)
 
     def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
@@ -239,13 +239,6 @@ class StreamingDataset(IterableDataset):
     def _rank_budget(self) -> int | None:
         """The rank's byte budget; None without cameras (nothing to reserve)."""
         return self.byte_budget if self.meta.camera_keys else None
-
-    def _order(self, byte_sizes: dict[int, int] | None = None) -> resume.Order:
-        return resume.Order(
-            tuple(self.episodes), tuple(self._frames), seed=self.seed,
-            strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self._rank_budget, repeat=self.repeat,
-            byte_sizes=None if byte_sizes is None else tuple(byte_sizes[e] for e in self.episodes))
 
     def _byte_sizes(self, episodes: list[int]) -> dict[int, int]:
         """Each episode's exact byte size, computed as a worker computes its share's."""
@@ -274,8 +267,8 @@ class StreamingDataset(IterableDataset):
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
         delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._order(), delivered, self.world_size, num_workers,
-                               resume_batch or self.batch_size or 1)
+        course = resume.Course(self._setup(resume_batch or self.batch_size or 1, num_workers),
+                               self.episodes, self._frames, delivered)
         positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
@@ -306,7 +299,7 @@ class StreamingDataset(IterableDataset):
         try:
             return course.planner(self.rank, logical, epoch, byte_sizes)
         except EpisodeTooLarge as exc:
-            workers, need = course.num_workers, max(byte_sizes.values())
+            workers, need = course.setup.num_workers, max(byte_sizes.values())
             raise EpisodeTooLarge(
                 f"{exc}: each of the {workers} DataLoader worker(s) gets byte_budget_gb="
                 f"{self.byte_budget / GIB:.4g} / {workers} = {worker_budget:,} bytes; raise "

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from core_oracle import dataloader, expected_elastic, key_of, keyed_order, plan
@@ -22,10 +24,24 @@ from hypothesis import strategies as st
 
 from refstream.errors import ShardingError, UsageError
 from refstream.planner import Planner
-from refstream.resume import Course, Delivered, Order, Segment, delivered_by
+from refstream.resume import (
+    Course,
+    Delivered,
+    ResumeSetup,
+    ResumeState,
+    Segment,
+    delivered_by,
+    selection_digest,
+)
 from refstream.tools import adapters, conformance
 
 FIXTURES = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "resume"
+
+
+class Selection(NamedTuple):
+    episodes: list[int]
+    frames: list[int]
+    sizes: dict[int, int] | None  # each episode's byte size, under a byte budget
 
 
 # --- simulating every rank of a topology ------------------------------------------------------
@@ -40,7 +56,7 @@ def worker_stream(course: Course, sizes, rank: int, worker: int, epoch: int, off
         planner.skip(offset)
         taken = planner.remaining if stop is None else stop - offset
         yield from ((epoch, e, f) for e, f in islice(planner, taken))
-        if not course.order.repeat:
+        if not course.setup.repeat:
             return
         epoch, offset = epoch + 1, 0
 
@@ -51,38 +67,41 @@ def rank_batches(course: Course, sizes, rank: int, samples: int, limit: int | No
     (``limit`` None: that epoch) and the next one starts afresh where it ended."""
     out: list = []
     while limit is None or len(out) < limit:
-        start = course.positions(rank, samples + len(out) * course.batch_size)
-        workers = course.num_workers
+        start = course.positions(rank, samples + len(out) * course.setup.batch_size)
+        workers = course.setup.num_workers
         streams = []
         for p in range(workers):
             w = (p + start.rotation) % workers
             streams.append(worker_stream(course, sizes, rank, w, start.epochs[w],
                                          start.offsets[w], start.stops[w]))
         left = None if limit is None else limit - len(out)
-        got = [batch for _, batch in dataloader(streams, course.batch_size, max_batches=left)]
+        got = [batch for _, batch in dataloader(streams, course.setup.batch_size,
+                                                max_batches=left)]
         out += got
-        if course.order.repeat or limit is None or not got:
+        if course.setup.repeat or limit is None or not got:
             break
     return out
 
 
-def delivered_sets(order: Order, epoch: int, history: list[Segment]) -> dict[int, list]:
+def delivered_sets(state: ResumeState, selection: Selection) -> dict[int, list]:
     """Brute force: the anchors every rank delivered, per epoch, topology after topology."""
-    sizes = _sizes(order)
     seen: dict[int, list] = {}
-    for i, segment in enumerate(history):
-        course = Course(order, delivered_by(order, epoch, history[:i]), segment.world_size,
-                        segment.num_workers, segment.batch_size)
+    for i, segment in enumerate(state.history):
+        setup = replace(state.setup, world_size=segment.world_size,
+                        num_workers=segment.num_workers, batch_size=segment.batch_size)
+        delivered = delivered_by(ResumeState(state.epoch, 0, setup, state.history[:i]),
+                                 *selection)
+        course = Course(setup, selection.episodes, selection.frames, delivered)
         for rank in range(segment.world_size):
             batches = segment.samples // segment.batch_size
-            for batch in rank_batches(course, sizes, rank, 0, batches):
+            for batch in rank_batches(course, selection.sizes, rank, 0, batches):
                 for e, x, f in batch:
                     seen.setdefault(e, []).append((x, f))
     return seen
 
 
-def all_frames(order: Order) -> Counter:
-    return Counter((e, f) for e, n in zip(order.episodes, order.frames, strict=True)
+def all_frames(selection: Selection) -> Counter:
+    return Counter((e, f) for e, n in zip(selection.episodes, selection.frames, strict=True)
                    for f in range(n))
 
 
@@ -107,24 +126,28 @@ def elastic_cases(draw, max_history=3):
     sizes = None
     budget = None
     if draw(st.booleans()):
-        sizes = tuple(draw(st.lists(st.integers(0, 40), min_size=count, max_size=count)))
-        budget = 8 * (max(sizes) + 1) * draw(st.integers(1, 3))
-    order = Order(tuple(ids), tuple(frames), seed=draw(st.integers(0, 2**64 - 1)),
-                  strategy=draw(st.sampled_from(["pool", "round_robin"])),
-                  pool_size=draw(st.sampled_from([None, 1, 2, 3])), byte_budget=budget,
-                  repeat=repeat, byte_sizes=sizes)
+        drawn = draw(st.lists(st.integers(0, 40), min_size=count, max_size=count))
+        sizes = dict(zip(ids, drawn, strict=True))
+        budget = 8 * (max(drawn) + 1) * draw(st.integers(1, 3))
+    world, workers, batch = chain[-1]
+    setup = ResumeSetup(seed=draw(st.integers(0, 2**64 - 1)),
+                        strategy=draw(st.sampled_from(["pool", "round_robin"])),
+                        pool_size=draw(st.sampled_from([None, 1, 2, 3])), byte_budget=budget,
+                        world_size=world, num_workers=workers, batch_size=batch, repeat=repeat,
+                        selection=selection_digest(ids, frames))
     total = sum(frames)
     history = []
     for world, workers, batch in chain[:-1]:
         batches = draw(st.integers(0, (2 * total if repeat else 3 * total) // batch // world + 2))
         history.append(Segment(world, workers, batch, batches * batch))
-    return order, draw(st.integers(0, 3)), history, chain[-1]
+    state = ResumeState(draw(st.integers(0, 3)), 0, setup, tuple(history))
+    return state, Selection(ids, frames, sizes)
 
 
-def courses_or_reject(order, epoch, history, new):
+def courses_or_reject(state: ResumeState, selection: Selection):
     try:
-        delivered = delivered_by(order, epoch, history)
-        return delivered, Course(order, delivered, *new)
+        delivered = delivered_by(state, *selection)
+        return delivered, Course(state.setup, selection.episodes, selection.frames, delivered)
     except ShardingError:
         assume(False)  # a topology with an empty ordinary share is refused (test_shard)
 
@@ -135,46 +158,38 @@ def courses_or_reject(order, epoch, history, new):
 @settings(max_examples=150, deadline=None)
 @given(elastic_cases())
 def test_the_rest_holds_every_frame_the_old_topologies_did_not_deliver_once(case):
-    order, epoch, history, new = case
-    delivered, course = courses_or_reject(order, epoch, history, new)
-    seen = delivered_sets(order, epoch, history)
+    state, selection = case
+    delivered, course = courses_or_reject(state, selection)
+    seen = delivered_sets(state, selection)
     for e, anchors in seen.items():
         assert len(anchors) == len(set(anchors)), f"epoch {e}: an anchor delivered twice"
     # What the checkpoint alone says was delivered is what the ranks delivered.
     for i, counts in enumerate(delivered.counts):
         got = Counter(x for x, _ in seen.get(delivered.first + i, []))
-        assert dict(zip(order.episodes, counts.tolist(), strict=True)) == {
-            x: got[x] for x in order.episodes}
-    sizes = _sizes(order)
-    world, workers, _ = new
+        assert dict(zip(selection.episodes, counts.tolist(), strict=True)) == {
+            x: got[x] for x in selection.episodes}
+    sizes, world, workers = selection.sizes, state.setup.world_size, state.setup.num_workers
     in_progress = range(delivered.first, delivered.first + max(1, len(delivered.counts)))
-    if not order.repeat:
+    if not state.setup.repeat:
         assert len(in_progress) == 1  # one epoch at a time
     for e in in_progress:  # the whole rest, before any distributed stop
         rest = [anchor for r in range(world) for w in range(workers)
                 for anchor in course.planner(r, w, e, sizes)]
-        assert Counter(seen.get(e, [])) + Counter(rest) == all_frames(order), e
-    if order.repeat:  # the epochs before the first in progress were delivered whole
-        for e in range(epoch, delivered.first):
-            assert Counter(seen.get(e, [])) == all_frames(order)
+        assert Counter(seen.get(e, [])) + Counter(rest) == all_frames(selection), e
+    if state.setup.repeat:  # the epochs before the first in progress were delivered whole
+        for e in range(state.epoch, delivered.first):
+            assert Counter(seen.get(e, [])) == all_frames(selection)
     else:  # the distributed end of an epoch holds for the rest too: every rank, same batches
         assert len({len(rank_batches(course, sizes, r, 0, None)) for r in range(world)}) == 1
-
-
-def _sizes(order: Order) -> dict[int, int] | None:
-    if order.byte_sizes is None:
-        return None
-    return dict(zip(order.episodes, order.byte_sizes, strict=True))
 
 
 @settings(max_examples=60, deadline=None)
 @given(elastic_cases(max_history=2), st.integers(0, 40))
 def test_a_checkpoint_taken_during_the_rest_resumes_exactly(case, batches):
     """The same topology again: the batches the uninterrupted run would have yielded next."""
-    order, epoch, history, new = case
-    _, course = courses_or_reject(order, epoch, history, new)
-    sizes = _sizes(order)
-    world, _, batch = new
+    state, selection = case
+    _, course = courses_or_reject(state, selection)
+    sizes, world, batch = selection.sizes, state.setup.world_size, state.setup.batch_size
     horizon = batches + 8
     for rank in range(world):
         full = rank_batches(course, sizes, rank, 0, horizon)
@@ -186,16 +201,18 @@ def test_a_checkpoint_taken_during_the_rest_resumes_exactly(case, batches):
 @settings(max_examples=120, deadline=None)
 @given(elastic_cases(max_history=2))
 def test_conformance_answer_matches_the_whole_simulation_oracle(case):
-    order, epoch, history, new = case
-    world, workers, batch = new
+    state, selection = case
+    setup = state.setup
     case_input = {
-        "episodes": list(order.episodes), "frames": list(order.frames), "seed": str(order.seed),
-        "strategy": order.strategy, "pool_size": order.pool_size, "repeat": order.repeat,
-        "epoch": epoch, "history": [list(vars(s).values()) for s in history],
-        "world_size": world, "num_workers": workers, "batch_size": batch,
+        "episodes": selection.episodes, "frames": selection.frames, "seed": str(setup.seed),
+        "strategy": setup.strategy, "pool_size": setup.pool_size, "repeat": setup.repeat,
+        "epoch": state.epoch, "history": [list(vars(s).values()) for s in state.history],
+        "world_size": setup.world_size, "num_workers": setup.num_workers,
+        "batch_size": setup.batch_size,
     }
-    if order.byte_sizes is not None:
-        case_input |= {"byte_sizes": list(order.byte_sizes), "byte_budget": order.byte_budget}
+    if selection.sizes is not None:
+        case_input |= {"byte_sizes": [selection.sizes[e] for e in selection.episodes],
+                       "byte_budget": setup.byte_budget}
     assert adapters.answer("elastic_resume", case_input) == expected_elastic(case_input)
 
 
@@ -228,22 +245,27 @@ def test_planner_refuses_impossible_delivered_counts():
         Planner([0, 1], [2, 3], seed=0, epoch=0, rank=0, worker=0, pool_size=1, delivered=[0])
 
 
+def setup_of(episodes, frames, **settings) -> ResumeSetup:
+    return ResumeSetup(**settings, selection=selection_digest(episodes, frames))
+
+
 def test_replaying_a_budget_needs_the_byte_sizes():
-    order = Order((0, 1), (3, 3), seed=0, strategy="pool", pool_size=None, byte_budget=100,
-                  repeat=False)
+    setup = setup_of([0, 1], [3, 3], seed=0, strategy="pool", pool_size=None, byte_budget=100,
+                     world_size=1, num_workers=1, batch_size=2, repeat=False)
     with pytest.raises(UsageError, match="byte sizes"):
-        delivered_by(order, 0, [Segment(1, 1, 2, 2)])
+        delivered_by(ResumeState(0, 0, setup, (Segment(1, 1, 2, 2),)), [0, 1], [3, 3])
 
 
 def test_nothing_delivered_plans_the_ordinary_epoch():
     """Resuming at an epoch's start with another topology is that topology's own epoch."""
-    order = Order(tuple(range(9)), (5, 3, 4, 2, 6, 1, 3, 4, 2), seed=5, strategy="pool",
-                  pool_size=None, byte_budget=None, repeat=True)
-    delivered = delivered_by(order, 2, [Segment(3, 2, 4, 0)])
+    episodes, frames = list(range(9)), [5, 3, 4, 2, 6, 1, 3, 4, 2]
+    setup = setup_of(episodes, frames, seed=5, strategy="pool", pool_size=None,
+                     byte_budget=None, world_size=2, num_workers=2, batch_size=3, repeat=True)
+    delivered = delivered_by(ResumeState(2, 0, setup, (Segment(3, 2, 4, 0),)), episodes, frames)
     assert delivered == Delivered(2)
-    course = Course(order, delivered, 2, 2, 3)
+    course = Course(setup, episodes, frames, delivered)
     assert course.positions(1, 0).epochs == (2, 2)
-    plain = Planner(course.share(1, 0, 2), [order.frames[e] for e in course.share(1, 0, 2)],
+    plain = Planner(course.share(1, 0, 2), [frames[e] for e in course.share(1, 0, 2)],
                     seed=5, epoch=2, rank=1, worker=0, pool_size=16)
     assert list(course.planner(1, 0, 2, None)) == list(plain)
 

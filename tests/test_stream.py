@@ -524,7 +524,7 @@ def test_resume_with_other_workers_follows_the_planned_rest_with_repeat(resume_r
     resumed = StreamingDataset(resume_root, batch_size=2, **options)
     resumed.load_state_dict(first.state_dict(9 * 4, batch_size=4, num_workers=2), num_workers=3)
     assert len(resumed._delivered.counts) >= 1  # the rest of an epoch in progress
-    course = Course(resumed._order(), resumed._delivered, 1, 3, 2)
+    course = Course(resumed._setup(2, 3), resumed.episodes, resumed._frames, resumed._delivered)
     planned = rank_batches(course, None, 0, 0, 40)
     assert _run(resumed, 3, 2, 40) == [[(e, f) for _, e, f in b] for b in planned]
 

@@ -161,17 +161,18 @@ def kind_resume_state(case: dict) -> dict:
 
 def kind_elastic_resume(case: dict) -> dict:
     """Kind ``elastic_resume`` (SPEC §3.9). The seed is a 64-bit field."""
-    sizes = case.get("byte_sizes")
-    order = resume.Order(tuple(case["episodes"]), tuple(case["frames"]),
-                         seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
-                         pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
-                         repeat=case["repeat"],
-                         byte_sizes=None if sizes is None else tuple(sizes))
-    history = [resume.Segment(*segment) for segment in case["history"]]
-    delivered = resume.delivered_by(order, case["epoch"], history)
-    course = resume.Course(order, delivered, case["world_size"], case["num_workers"],
-                           case["batch_size"])
-    by_episode = None if sizes is None else dict(zip(case["episodes"], sizes, strict=True))
+    episodes, frames, sizes = case["episodes"], case["frames"], case.get("byte_sizes")
+    setup = resume.ResumeSetup(
+        seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
+        pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
+        world_size=case["world_size"], num_workers=case["num_workers"],
+        batch_size=case["batch_size"], repeat=case["repeat"],
+        selection=resume.selection_digest(episodes, frames))
+    history = tuple(resume.Segment(*segment) for segment in case["history"])
+    by_episode = None if sizes is None else dict(zip(episodes, sizes, strict=True))
+    state = resume.ResumeState(case["epoch"], 0, setup, history)
+    delivered = resume.delivered_by(state, episodes, frames, by_episode)
+    course = resume.Course(setup, episodes, frames, delivered)
     last = delivered.first + len(delivered.counts) - 1 if case["repeat"] else delivered.first
     workers = []
     for rank in range(case["world_size"]):

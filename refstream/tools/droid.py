@@ -18,7 +18,14 @@ import numpy as np
 
 from refstream import shard
 from refstream.planner import Planner
-from refstream.resume import Course, Order, Segment, delivered_by
+from refstream.resume import (
+    Course,
+    ResumeSetup,
+    ResumeState,
+    Segment,
+    delivered_by,
+    selection_digest,
+)
 from refstream.stream import GIB
 
 if TYPE_CHECKING:
@@ -89,17 +96,18 @@ def elastic_figures(frames: list[int], config: BenchConfig,
     3/4 of them: the time a new rank needs before its first worker's first anchor."""
     workers, batch = max(1, config.num_workers), config.batch_size
     old, new = config.droid_ranks, max(1, config.droid_ranks * 3 // 4)
-    ids = tuple(range(len(frames)))
-    sizes = tuple(int(f * bytes_per_frame) for f in frames)
-    order = Order(ids, tuple(frames), seed=config.seed, strategy="pool",
-                  pool_size=config.pool_size, byte_budget=int(config.budget_gb * GIB),
-                  repeat=False, byte_sizes=sizes)
+    ids = list(range(len(frames)))
+    sizes = {e: int(f * bytes_per_frame) for e, f in zip(ids, frames, strict=True)}
+    setup = ResumeSetup(seed=config.seed, strategy="pool", pool_size=config.pool_size,
+                        byte_budget=int(config.budget_gb * GIB), world_size=new,
+                        num_workers=workers, batch_size=batch, repeat=False,
+                        selection=selection_digest(ids, frames))
     samples = sum(frames) // old // 2 // batch * batch
+    resumed = ResumeState(0, 0, setup, (Segment(old, workers, batch, samples),))
     started = time.perf_counter()
-    delivered = delivered_by(order, 0, [Segment(old, workers, batch, samples)])
-    course = Course(order, delivered, new, workers, batch)
+    course = Course(setup, ids, frames, delivered_by(resumed, ids, frames, sizes))
     start = course.positions(0, 0)
-    planner = course.planner(0, 0, start.epochs[0], dict(zip(ids, sizes, strict=True)))
+    planner = course.planner(0, 0, start.epochs[0], sizes)
     planner.skip(start.offsets[0])
     next(planner)
     return (old, new), time.perf_counter() - started, samples * old
