@@ -49,9 +49,10 @@ from refstream.worker import Batch, WorkerStream
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
-# Layout of the shared position tensor (int64): where every new iterator starts, with which
-# seed (its 64 bits), and the digest of the earlier topologies it resumes after (0: none).
-_EPOCH, _SAMPLES, _RESUME_BATCH, _RESUME_WORKERS, _SEED, _HISTORY = range(6)
+# Layout of the shared position tensor (int64): where every new iterator starts, for how many
+# DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
+# earlier topologies it resumes after (0: none).
+_EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY = range(5)
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -150,9 +151,9 @@ class StreamingDataset(IterableDataset):
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
         self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
         self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
-        # The position (see _EPOCH…); 0 batch size = no resume. set_epoch and load_state_dict
-        # keep the earlier topologies of a resume and what they delivered (workers get them).
-        self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
+        # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
+        # of a resume and what they delivered (workers get them).
+        self._position = torch.zeros(5, dtype=torch.int64).share_memory_()
         self.set_epoch(0)
 
     def __len__(self) -> int:
@@ -187,20 +188,17 @@ class StreamingDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._history, self._delivered = (), None
-        self._set_position(epoch, 0, 0, 0)
+        self._set_position(epoch, 0, 0)
 
-    def _set_position(self, epoch: int, samples: int, batch_size: int, num_workers: int) -> None:
+    def _set_position(self, epoch: int, samples: int, num_workers: int) -> None:
         seed = self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed  # int64 bits
-        self._position.copy_(torch.tensor([epoch, samples, batch_size, num_workers, seed,
+        self._position.copy_(torch.tensor([epoch, samples, num_workers, seed,
                                            _digest(self._history)]))
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
         the current position was set, with a DataLoader of ``num_workers`` workers."""
         base = int(self._position[_SAMPLES])
-        if int(self._position[_RESUME_BATCH]) not in (0, batch_size):
-            raise TopologyChanged(f"resumed with batch size {int(self._position[_RESUME_BATCH])}"
-                                  f", checkpointing with {batch_size}")
         state = resume.ResumeState(epoch=int(self._position[_EPOCH]), samples=base + samples,
                                    setup=self._setup(batch_size, max(1, num_workers)),
                                    history=self._history)
@@ -223,7 +221,7 @@ class StreamingDataset(IterableDataset):
         if resumed.history:
             sizes = self._byte_sizes(self.episodes) if self.meta.camera_keys else None
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
-        self._set_position(resumed.epoch, resumed.samples, self.batch_size, workers)
+        self._set_position(resumed.epoch, resumed.samples, workers)
 
     def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
         if self.batch_size is not None and batch_size != self.batch_size:
@@ -252,13 +250,12 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        epoch, samples, resume_batch, resume_workers, seed, history = (
-            int(v) for v in self._position)
+        epoch, samples, resume_workers, seed, history = (int(v) for v in self._position)
         self.seed = seed & MASK64
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
                              "workers started: load it before the first iter(loader)")
-        if resume_batch and resume_workers != num_workers:
+        if resume_workers and resume_workers != num_workers:
             raise TopologyChanged(f"the checkpoint was loaded for {resume_workers} DataLoader "
                                   f"worker(s), this DataLoader has {num_workers}: pass "
                                   f"num_workers={num_workers} to load_state_dict")
@@ -267,8 +264,8 @@ class StreamingDataset(IterableDataset):
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
         delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(resume_batch or self.batch_size or 1, num_workers),
-                               self.episodes, self._frames, delivered)
+        course = resume.Course(self._setup(self.batch_size or 1, num_workers), self.episodes,
+                               self._frames, delivered)
         positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
