@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from refstream import resume, shard
-from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError
+from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError, check_at_least
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
@@ -103,9 +103,14 @@ class StreamingDataset(IterableDataset):
         sidecar_lock_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
-        _check_settings(sampling_strategy, byte_budget_gb, prefetch_episodes=prefetch_episodes,
-                        decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
-                        batch_size=batch_size, num_workers=num_workers)
+        if sampling_strategy not in STRATEGIES:
+            raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got "
+                             f"{sampling_strategy!r}")
+        if not byte_budget_gb > 0:
+            raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
+        check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        check_at_least(1, decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
+                       batch_size=batch_size)
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -325,14 +330,3 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         rank = found[0] if rank is None else rank
         world_size = found[1] if world_size is None else world_size
     return rank, world_size  # shard.rank_share checks them
-
-
-def _check_settings(strategy: str, byte_budget_gb: float, **counts: int | None) -> None:
-    if strategy not in STRATEGIES:
-        raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not byte_budget_gb > 0:
-        raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-    least = {"prefetch_episodes": 0, "num_workers": 0}  # the others at least 1
-    for name, value in counts.items():
-        if value is not None and value < least.get(name, 1):
-            raise UsageError(f"{name} must be at least {least.get(name, 1)}, got {value}")
