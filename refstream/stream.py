@@ -118,7 +118,6 @@ class StreamingDataset(IterableDataset):
         self.sampling_strategy = sampling_strategy
         self.episode_pool_size = episode_pool_size
         self.prefetch_episodes = prefetch_episodes
-        self.byte_budget = int(byte_budget_gb * GIB)
         self.decode_threads = decode_threads
         self.decoded_queue_size = decoded_queue_size
         self.video_decoder_cache_size = video_decoder_cache_size
@@ -150,6 +149,8 @@ class StreamingDataset(IterableDataset):
                                                 lock_timeout_s=self.sidecar_lock_timeout_s)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
+        # The rank's byte budget; None without cameras (nothing to reserve).
+        self.byte_budget = int(byte_budget_gb * GIB) if self.meta.camera_keys else None
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
         meta = self.meta
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
@@ -234,14 +235,9 @@ class StreamingDataset(IterableDataset):
                                   f"batch_size {self.batch_size}")
         return resume.ResumeSetup(
             seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self._rank_budget, world_size=self.world_size,
+            byte_budget=self.byte_budget, world_size=self.world_size,
             num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
             selection=resume.selection_digest(self.episodes, self._frames))
-
-    @property
-    def _rank_budget(self) -> int | None:
-        """The rank's byte budget; None without cameras (nothing to reserve)."""
-        return self.byte_budget if self.meta.camera_keys else None
 
     def _byte_sizes(self, episodes: list[int]) -> dict[int, int]:
         """Each episode's exact byte size, computed as a worker computes its share's."""
@@ -274,8 +270,7 @@ class StreamingDataset(IterableDataset):
         positions = course.positions(self.rank, samples)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
-            num_workers, pool_size=self.episode_pool_size,
-            byte_budget=self._rank_budget,
+            num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         ordinary = course.delivered.first + len(course.delivered.counts)
