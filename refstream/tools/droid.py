@@ -16,16 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refstream import shard
+from refstream import resume, shard
 from refstream.planner import Planner
-from refstream.resume import (
-    Course,
-    ResumeSetup,
-    ResumeState,
-    Segment,
-    delivered_by,
-    selection_digest,
-)
 from refstream.stream import GIB
 
 if TYPE_CHECKING:
@@ -98,14 +90,14 @@ def elastic_figures(frames: list[int], config: BenchConfig,
     old, new = config.droid_ranks, max(1, config.droid_ranks * 3 // 4)
     ids = list(range(len(frames)))
     sizes = {e: int(f * bytes_per_frame) for e, f in zip(ids, frames, strict=True)}
-    setup = ResumeSetup(seed=config.seed, strategy="pool", pool_size=config.pool_size,
-                        byte_budget=int(config.budget_gb * GIB), world_size=new,
-                        num_workers=workers, batch_size=batch, repeat=False,
-                        selection=selection_digest(ids, frames))
+    setup = resume.ResumeSetup(
+        seed=config.seed, strategy="pool", pool_size=config.pool_size,
+        byte_budget=int(config.budget_gb * GIB), world_size=new, num_workers=workers,
+        batch_size=batch, repeat=False, selection=resume.selection_digest(ids, frames))
     samples = sum(frames) // old // 2 // batch * batch
-    resumed = ResumeState(0, 0, setup, (Segment(old, workers, batch, samples),))
+    resumed = resume.ResumeState(0, 0, setup, (resume.Segment(old, workers, batch, samples),))
     started = time.perf_counter()
-    course = Course(setup, ids, frames, delivered_by(resumed, ids, frames, sizes))
+    course = resume.Course(setup, ids, frames, resume.delivered_by(resumed, ids, frames, sizes))
     start = course.positions(0, 0)
     planner = course.planner(0, 0, start.epochs[0], sizes)
     planner.skip(start.offsets[0])
