@@ -8,10 +8,11 @@ Use::
         frames = decoder.frames(pts_ticks[chosen], np.float32)            # (T, 3, H, W)
         decoder.frames(pts_ticks[chosen], out=batch[i])                   # or into given memory
     cache = DecoderCache(capacity)     # LRU keyed (episode, camera), for one thread at a time
+    cache.decoder((3, "top"), mp4_bytes, span.start_pts).frames(pts_ticks[chosen])
 
 Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
 video's local time 0. A decoder decodes exactly the frames asked (any order, repeats allowed),
-converting each once into its place: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's
+converting each into its place: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's
 ``to_ndarray``) or ``float32`` RGB / 255 (LeRobot's division). The only module that imports
 PyAV: its errors become :class:`DecodeError`, cause chained; a time no frame serves is
 :class:`FrameNotFound` naming the episode, camera and time.
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from refstream.errors import DecodeError, FrameNotFound, UsageError
+from refstream.errors import DecodeError, FrameNotFound, UsageError, check_at_least
 from refstream.synth import serving_samples
 
 __all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
@@ -38,21 +39,21 @@ PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 class EpisodeDecoder:
     """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
 
-    def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0) -> None:
+    def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0,
+                 codec_key: object = None, peers: Iterable[EpisodeDecoder] = ()) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self._container = self._open()
-        self._converter = VideoReformatter()
+        self._scaler = VideoReformatter()
         self.decoded_frames = 0
         stream = self._container.streams.video[0]
-        self.time_base = stream.time_base  # PyAV's Fraction: 1 / the track's timescale
-        if self.time_base.numerator != 1:
-            self.close()
-            raise DecodeError(f"{self.label}: time base {self.time_base} is not 1/timescale")
-        self.timescale: int = self.time_base.denominator
-        self.width: int = stream.codec_context.width
-        self.height: int = stream.codec_context.height
-        rate = stream.average_rate  # frames per second, None if unknown
-        self._frame_ticks = max(1, round(self.timescale / float(rate))) if rate else 1
+        # Packets go to the codec context of a peer of the same ``codec_key`` (e.g. the sample
+        # description) when there is one: dozens of open contexts, each with its own frames
+        # and tables, cost cache misses. The context is flushed before every use.
+        peer = next((p for p in peers if codec_key is not None and p.codec_key == codec_key), None)
+        self.codec_key, self.codec = codec_key, stream.codec_context if peer is None else peer.codec
+        self.width, self.height = stream.codec_context.width, stream.codec_context.height
+        rate = stream.average_rate  # frames per second, None if unknown; ticks: the time base
+        self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
 
     def _open(self):
         try:
@@ -90,28 +91,20 @@ class EpisodeDecoder:
         if out.shape != shape or out.dtype not in PIXEL_DTYPES:
             raise DecodeError(f"{self.label}: frames are {shape} but the output is {out.dtype} "
                               f"{out.shape}: every video of a camera needs one size")
-        decoded = self._decode(min(wanted), max(wanted), set(wanted)) if wanted else {}
-        first_request: dict[int, int] = {}
-        for i, local in enumerate(wanted):
-            if local in first_request:
-                out[i] = out[first_request[local]]
-            elif local not in decoded:
-                raise DecodeError(f"{self.label}: the decoder presents no frame at source pts "
-                                  f"{local + self.start_pts}")
-            elif out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded
-                np.divide(self._rgb(decoded[local]), np.float32(255), out=out[i])
-            else:
-                out[i] = self._rgb(decoded[local])
-            first_request.setdefault(local, i)
-        return out
-
-    def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
-        """``(3, H, W)`` uint8: FFmpeg's rgb24 conversion, as ``to_ndarray(format="rgb24")``."""
         try:
-            rgb = self._converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
+            decoded = self._decode(min(wanted), max(wanted), set(wanted)) if wanted else {}
+            for i, local in enumerate(wanted):
+                if local not in decoded:
+                    raise DecodeError(f"{self.label}: the decoder presents no frame at source "
+                                      f"pts {local + self.start_pts}")
+                for plane, channel in zip(_rgb(self._scaler, decoded[local]), out[i], strict=True):
+                    if out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded
+                        np.divide(plane, np.float32(255), out=channel)
+                    else:
+                        channel[...] = plane
         except av.FFmpegError as exc:
-            raise DecodeError(f"{self.label}: PyAV cannot convert a frame to RGB: {exc}") from exc
-        return rgb.transpose(2, 0, 1)
+            raise DecodeError(f"{self.label}: PyAV failed to decode: {exc}") from exc
+        return out
 
     def _decode(self, first: int, last: int, wanted: set[int]) -> dict[int, av.VideoFrame]:
         """The decoded frames of ``wanted`` (local ticks, ``first`` to ``last``), keyed by pts."""
@@ -120,42 +113,73 @@ class EpisodeDecoder:
         # The first step back is one frame: seeks go by decode time, which trails presentation
         # by the reorder depth, a few frames at most.
         target, step = first, 0
-        try:
-            while start is not None and target > start:
-                try:
-                    self._container.seek(target, stream=stream, backward=True)
-                except av.FFmpegError:
-                    break  # e.g. no keyframe before the target: decode from the start instead
-                frames, first_pts = self._forward(stream, first, last, wanted)
-                if first_pts is None or first_pts <= first:
-                    return frames
-                # The seek landed after the first frame asked: step back twice as far.
-                step = 2 * step + self._frame_ticks + (first_pts - first)
-                target = first - step
-            # Reopening is the one way to start at the first sample whatever the edit list says.
-            self._container.close()
-            self._container = self._open()
-            stream = self._container.streams.video[0]
-            return self._forward(stream, first, last, wanted, stop_early=False)[0]
-        except av.FFmpegError as exc:
-            raise DecodeError(f"{self.label}: PyAV failed to decode: {exc}") from exc
+        while start is not None and target >= start:
+            try:
+                self._container.seek(target, stream=stream, backward=True)
+            except av.FFmpegError:
+                break  # e.g. no keyframe before the target: decode from the start instead
+            frames, first_pts = self._forward(first, last, wanted)
+            if first_pts is None or first_pts <= first:
+                return frames
+            # The seek landed after the first frame asked: step back twice as far.
+            step = 2 * step + self._frame_ticks + (first_pts - first)
+            target = first - step
+        # Reopening is the one way to start at the first sample whatever the edit list says.
+        self._container.close()
+        self._container = self._open()
+        return self._forward(first, last, wanted)[0]
 
-    def _forward(self, stream, first: int, last: int, wanted: set[int], stop_early: bool = True):
-        frames: dict[int, av.VideoFrame] = {}
-        first_pts = None
-        for frame in self._container.decode(stream):
+    def _forward(self, first: int, last: int, wanted: set[int]) -> tuple[dict, int | None]:
+        frames, first_pts = {}, None  # pts -> a wanted frame; the first frame's pts
+        self.codec.flush_buffers()
+        packets = self._container.demux(self._container.streams.video[0])
+        for frame in (frame for packet in packets for frame in self.codec.decode(packet)):
             self.decoded_frames += 1
             if frame.pts is None:
                 raise DecodeError(f"{self.label}: a decoded frame has no presentation time")
             if first_pts is None:
                 first_pts = frame.pts
-                if stop_early and first_pts > first:
-                    break  # the caller seeks further back
+                if first_pts > first:
+                    break  # the caller seeks further back (after a reopen, nothing serves first)
             if frame.pts in wanted:
                 frames[frame.pts] = frame
             if frame.pts >= last:
                 break  # frames leave the decoder in presentation order
         return frames, first_pts
+
+
+# swscale converts to packed rgb24 and to planar gbrp (no interleaving to undo) with one kernel
+# on most frame sizes, but not on every size, build and CPU: per kind of frame (pixel format,
+# size, colorspace, range), whether the two give the same planes, decided on random pixels.
+_PLANAR_IS_RGB24: dict[tuple, bool] = {}
+
+
+def _planar_is_rgb24(scaler: VideoReformatter, kind: tuple) -> bool:
+    pixel_format, width, height, colorspace, color_range = kind
+    probe = av.VideoFrame(width, height, pixel_format)
+    probe.colorspace, probe.color_range = colorspace, color_range
+    random = np.random.default_rng(0)
+    for plane in probe.planes:
+        plane.update(random.integers(0, 256, plane.buffer_size, np.uint8).tobytes())
+    return np.array_equal(_rgb(scaler, probe, True), _rgb(scaler, probe, False))
+
+
+def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
+         planar: bool | None = None) -> list[np.ndarray]:
+    """The R, G and B planes ``(H, W)`` uint8 of ``frame`` as ``to_ndarray(format="rgb24")``,
+    read from its gbrp conversion if ``planar`` (by default: where the two are the same)."""
+    if planar is None:
+        kind = (frame.format.name, frame.width, frame.height, frame.colorspace, frame.color_range)
+        if kind not in _PLANAR_IS_RGB24:
+            _PLANAR_IS_RGB24[kind] = _planar_is_rgb24(scaler, kind)
+        planar = _PLANAR_IS_RGB24[kind]
+    if not planar:
+        rgb = scaler.reformat(frame, format="rgb24", threads=1).to_ndarray()
+        return list(rgb.transpose(2, 0, 1))
+    planes = scaler.reformat(frame, format="gbrp", threads=1).planes
+    g, b, r = (np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
+               [:, :frame.width] for plane in planes)
+    return [r, g, b]
 
 
 def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
@@ -184,25 +208,25 @@ class DecoderCache:
     its own)."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise UsageError(f"decoder cache capacity must be >= 1, got {capacity}")
+        check_at_least(1, capacity=capacity)
         self.capacity = capacity
         self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._decoders)
 
-    def frames(self, key: tuple[int, str], mp4_bytes: bytes, pts_ticks: Sequence[int],
-               dtype: np.dtype | type = np.uint8, start_pts: int = 0,
-               out: np.ndarray | None = None) -> np.ndarray:
-        """Frames of ``key``'s video (``mp4_bytes``) presented at ``pts_ticks``."""
+    def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
+                codec_key: object = None) -> EpisodeDecoder:
+        """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos of one
+        ``codec_key`` share a codec context."""
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts)
+            decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts,
+                                     codec_key, self._decoders.values())
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()
-        return decoder.frames(pts_ticks, dtype, out)
+        return decoder
 
     def discard(self, key: tuple[int, str]) -> None:
         """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""

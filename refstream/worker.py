@@ -55,6 +55,7 @@ class _Video:
     mp4: bytes
     start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
     serving_pts: np.ndarray  # int64 source ticks of the frame serving each row's time
+    stsd: bytes  # the source's sample description: videos with the same one share a decoder
 
 
 @dataclass(frozen=True)
@@ -250,15 +251,12 @@ class WorkerStream:
         new = made.anchors[made.done:]
         for slot in range(made.done, len(made.anchors)):
             self._gather(made, slot)
-        parts = [[] for _ in self.decoders]
-        for request in made.requests:
-            parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
-        made.requests.clear()
-        futures = [self.decode_pool.submit(self._decode_part, made, part, decoders)
-                   for part, decoders in zip(parts[1:], self.decoders[1:], strict=True) if part]
-        self._decode_part(made, parts[0], self.decoders[0])
+        futures = [self.decode_pool.submit(self._decode_part, made, thread)
+                   for thread in range(1, len(self.decoders))]
+        self._decode_part(made, 0)
         for future in futures:
             future.result()
+        made.requests.clear()
         made.done = len(made.anchors)
         for episode, _ in new:
             self.in_flight[episode] -= 1
@@ -287,10 +285,13 @@ class WorkerStream:
                 made.requests.append((slot, episode, key, video, pts))
         add("task", []).append(self.meta.tasks[int(data.rows["task_index"][frame])])
 
-    def _decode_part(self, made: _Group, requests: list[tuple], decoders: DecoderCache) -> None:
-        for slot, episode, camera, video, pts in requests:
-            decoders.frames((episode, camera), video.mp4, pts, start_pts=video.start_pts,
-                            out=made.frames[camera][slot].numpy())
+    def _decode_part(self, made: _Group, thread: int) -> None:
+        """Decode the group's requests that go to the decoders of ``thread``."""
+        for slot, episode, camera, video, pts in made.requests:
+            if (episode + self.cameras.index(camera)) % len(self.decoders) == thread:
+                decoder = self.decoders[thread].decoder((episode, camera), video.mp4,
+                                                        video.start_pts, video.stsd)
+                decoder.frames(pts, out=made.frames[camera][slot].numpy())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -405,7 +406,7 @@ class WorkerStream:
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.ds.tolerance_s, f"episode {episode} camera {camera}")
-            videos[camera] = _Video(mp4, span.start_pts, pts[chosen])
+            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd)
         return videos
 
     def close(self) -> None:

@@ -3,13 +3,16 @@ B-frames, open GOP, AV1), requested by presentation time from the bytes held in 
 frame a full decode of the file yields at that pts; the frame serving a time is chosen within
 tolerance, never guessed past; the decoder LRU is bounded."""
 
+import io
 import json
 import math
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
+from av.video.reformatter import VideoReformatter
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
@@ -41,19 +44,25 @@ def videos(tmp_path_factory) -> dict[str, tuple[bytes, dict[int, np.ndarray]]]:
     return made
 
 
-def seconds(decoder: EpisodeDecoder, pts: int) -> float:
-    return float(pts * decoder.time_base)
+def timescale(data: bytes) -> int:
+    """The video's ticks per second as plain PyAV reports them (its time base is 1 / that)."""
+    with av.open(io.BytesIO(data)) as container:
+        return container.streams.video[0].time_base.denominator
+
+
+def seconds(data: bytes, pts: int) -> float:
+    return pts / timescale(data)
 
 
 def chw(frame_hwc: np.ndarray) -> np.ndarray:
     return frame_hwc.transpose(2, 0, 1)
 
 
-def frames_at(decoder: EpisodeDecoder, oracle: dict, times_s, tolerance_s: float,
+def frames_at(decoder: EpisodeDecoder, data: bytes, oracle: dict, times_s, tolerance_s: float,
               dtype=np.uint8) -> np.ndarray:
     """The frames serving ``times_s``: select_frames over every pts of the file, then decoded."""
     pts = np.array(sorted(oracle), dtype=np.int64)
-    chosen = select_frames(pts, decoder.timescale, times_s, tolerance_s, decoder.label)
+    chosen = select_frames(pts, timescale(data), times_s, tolerance_s, decoder.label)
     return decoder.frames(pts[chosen], dtype)
 
 
@@ -90,10 +99,10 @@ def test_a_time_within_tolerance_picks_the_nearest_frame(videos):
     data, oracle = videos["h264-bframes"]
     pts = sorted(oracle)
     with EpisodeDecoder(data) as decoder:
-        step = seconds(decoder, pts[1]) - seconds(decoder, pts[0])  # one frame: 1/30 s
-        late = seconds(decoder, pts[12]) + 0.3 * step  # nearer frame 12 than 13
-        early = seconds(decoder, pts[12]) - 0.3 * step
-        frames = frames_at(decoder, oracle, [late, early], tolerance_s=0.4 * step)
+        step = seconds(data, pts[1]) - seconds(data, pts[0])  # one frame: 1/30 s
+        late = seconds(data, pts[12]) + 0.3 * step  # nearer frame 12 than 13
+        early = seconds(data, pts[12]) - 0.3 * step
+        frames = frames_at(decoder, data, oracle, [late, early], tolerance_s=0.4 * step)
     np.testing.assert_array_equal(frames[0], chw(oracle[pts[12]]))
     np.testing.assert_array_equal(frames[1], chw(oracle[pts[12]]))
 
@@ -103,17 +112,17 @@ def test_a_time_matching_no_frame_within_tolerance_raises(videos, where):
     data, oracle = videos["h264-bframes"]
     pts = sorted(oracle)
     with EpisodeDecoder(data, "episode 7 camera wrist") as decoder:
-        step = seconds(decoder, pts[1]) - seconds(decoder, pts[0])
+        step = seconds(data, pts[1]) - seconds(data, pts[0])
         time_s = {
-            "between frames": seconds(decoder, pts[5]) + 0.5 * step,
-            "after the last": seconds(decoder, pts[-1]) + step,
+            "between frames": seconds(data, pts[5]) + 0.5 * step,
+            "after the last": seconds(data, pts[-1]) + step,
             "before the first": -step,
         }[where]
         with pytest.raises(FrameNotFound, match="episode 7 camera wrist") as caught:
-            frames_at(decoder, oracle, [seconds(decoder, pts[3]), time_s], 0.25 * step)
+            frames_at(decoder, data, oracle, [seconds(data, pts[3]), time_s], 0.25 * step)
         assert repr(time_s) in str(caught.value)
         # The same time with a tolerance that reaches a frame is served.
-        frames_at(decoder, oracle, [time_s], tolerance_s=1.01 * step)
+        frames_at(decoder, data, oracle, [time_s], tolerance_s=1.01 * step)
 
 
 @pytest.mark.parametrize("name", ["h264-bframes", "av1"])
@@ -123,17 +132,17 @@ def test_the_edges_of_the_tolerance(videos, name):
     # fraction of a second (0.5 s) and a tolerance of 2^-10 make t + tol exact.
     data, oracle = videos[name]
     with EpisodeDecoder(data, "episode 2 camera top") as decoder:
-        edge = [p for p in sorted(oracle) if p / decoder.timescale == 0.5]
+        edge = [p for p in sorted(oracle) if p / timescale(data) == 0.5]
         assert edge, "the video has a frame at 0.5 s"
-        frames = frames_at(decoder, oracle, [0.5 - 2**-10], tolerance_s=2**-10)
+        frames = frames_at(decoder, data, oracle, [0.5 - 2**-10], tolerance_s=2**-10)
         np.testing.assert_array_equal(frames[0], chw(oracle[edge[0]]))
         with pytest.raises(FrameNotFound):
-            frames_at(decoder, oracle, [math.nextafter(0.5 - 2**-10, 0.0)], 2**-10)
+            frames_at(decoder, data, oracle, [math.nextafter(0.5 - 2**-10, 0.0)], 2**-10)
         wanted = sorted(oracle)[3:9]
-        frames = frames_at(decoder, oracle, [p / decoder.timescale for p in wanted], 0.0)
+        frames = frames_at(decoder, data, oracle, [p / timescale(data) for p in wanted], 0.0)
         np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
         with pytest.raises(FrameNotFound):
-            frames_at(decoder, oracle, [math.nextafter(wanted[0] / decoder.timescale, 1.0)],
+            frames_at(decoder, data, oracle, [math.nextafter(wanted[0] / timescale(data), 1.0)],
                       0.0)
 
 
@@ -217,9 +226,9 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos, monkeyp
     opened, closed = [], []
 
     class Recorded(EpisodeDecoder):
-        def __init__(self, mp4_bytes, label, start_pts=0):
+        def __init__(self, mp4_bytes, label, *args):
             opened.append(label)
-            super().__init__(mp4_bytes, label, start_pts)
+            super().__init__(mp4_bytes, label, *args)
 
         def close(self):
             closed.append(self.label)
@@ -228,21 +237,93 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(videos, monkeyp
     monkeypatch.setattr(decode, "EpisodeDecoder", Recorded)
     cache = DecoderCache(capacity=2)
     for key in [(0, "a"), (1, "a"), (0, "a"), (2, "a")]:  # (1, "a") is least recent at the end
-        cache.frames(key, data, [0])
+        cache.decoder(key, data).frames([0])
         assert len(cache) <= 2
     names = ["episode 0 camera a", "episode 1 camera a", "episode 2 camera a"]
     assert opened == names and closed == names[1:2]  # a hit does not reopen
-    frames = cache.frames((1, "a"), data, [0])  # reopened after eviction
+    frames = cache.decoder((1, "a"), data).frames([0])  # reopened after eviction
     assert opened[-1] == "episode 1 camera a" and closed[-1] == "episode 0 camera a"
     np.testing.assert_array_equal(frames[0], chw(oracle[min(oracle)]))
-    cache.frames((2, "a"), data, [0])  # kept: (0, "a") went instead
+    cache.decoder((2, "a"), data).frames([0])  # kept: (0, "a") went instead
     assert len(opened) == 4
     cache.discard((1, "a"))
     assert len(cache) == 1 and closed[-1] == "episode 1 camera a"
-    cache.frames((1, "a"), data, [0])  # discarded: opened again
+    cache.decoder((1, "a"), data).frames([0])  # discarded: opened again
     assert opened[4:] == ["episode 1 camera a"]
     cache.close()
     assert len(cache) == 0 and sorted(closed[-2:]) == ["episode 1 camera a", "episode 2 camera a"]
+
+
+# --- RGB: read from swscale's planar output where it equals rgb24 -----------------------------
+
+# (width, height): with the FFmpeg builds seen so far, gbrp equals rgb24 at the first size and
+# not at the second (its last columns are left unconverted); the decoder must be right at both.
+SIZES = [(64, 48), (100, 60)]
+
+
+@pytest.fixture(scope="module")
+def sized(tmp_path_factory) -> dict[tuple, Path]:
+    folder = tmp_path_factory.mktemp("sized")
+    return {(codec, size): encode_video(folder / f"{codec}-{size[0]}.mp4",
+                                        pattern_frames(12, size[1], size[0]), codec, gop=4,
+                                        bframes=2 if codec == "libx264" else 0)
+            for codec in ("libx264", "libsvtav1") for size in SIZES}
+
+
+@pytest.mark.parametrize("codec", ["libx264", "libsvtav1"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_frames_are_pyav_rgb24_and_over_255_at_every_size(sized, codec, size):
+    path = sized[codec, size]
+    oracle = decode_all(path)  # PyAV: to_ndarray(format="rgb24")
+    pts = sorted(oracle)
+    with EpisodeDecoder(path.read_bytes()) as decoder:
+        uint8 = decoder.frames(pts)
+        float32 = decoder.frames(pts[::-1], np.float32)
+    expected = np.stack([chw(oracle[p]) for p in pts])
+    np.testing.assert_array_equal(uint8, expected)
+    lerobot = torch.from_numpy(expected[::-1].copy()).to(torch.float32) / 255
+    np.testing.assert_array_equal(float32.view(np.uint32), lerobot.numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("codec", ["libx264", "libsvtav1"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_planar_probe_agrees_with_every_real_frame(sized, codec, size):
+    # Oracle: PyAV's own gbrp and rgb24 arrays of each decoded frame.
+    with av.open(str(sized[codec, size])) as container:
+        frames = list(container.decode(container.streams.video[0]))
+    same = all(np.array_equal(f.to_ndarray(format="gbrp"), f.to_ndarray(format="rgb24"))
+               for f in frames)
+    f = frames[0]
+    kind = (f.format.name, f.width, f.height, f.colorspace, f.color_range)
+    assert decode._planar_is_rgb24(VideoReformatter(), kind) == same
+
+
+# --- one codec context for the open videos of one sample description --------------------------
+
+def test_videos_sharing_a_codec_context_decode_as_if_alone(tmp_path):
+    # Three videos of one encoder setting (B-frames: the decoder holds frames back), different
+    # pictures; asked in an interleaved random order through one cache, each frame equals a
+    # plain decode of its own file.
+    base = pattern_frames(FRAMES)
+    datas = [encode_video(tmp_path / f"{i}.mp4", np.roll(base, 7 * i, axis=2), "libx264", 5,
+                          2).read_bytes() for i in range(3)]
+    oracles = [decode_all(data) for data in datas]
+    cache = DecoderCache(capacity=3)
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        i = int(rng.integers(3))
+        pts = sorted(oracles[i])
+        a = int(rng.integers(len(pts) - 1))
+        decoder = cache.decoder((i, "top"), datas[i], codec_key="one description")
+        frames = decoder.frames([pts[a + 1], pts[a]], np.float32)
+        expected = np.stack([chw(oracles[i][pts[a + 1]]), chw(oracles[i][pts[a]])])
+        np.testing.assert_array_equal(frames, expected.astype(np.float32) / np.float32(255))
+    codecs = {id(cache.decoder((i, "top"), datas[i], codec_key="one description").codec)
+              for i in range(3)}
+    assert len(codecs) == 1
+    other = cache.decoder((9, "top"), datas[0], codec_key="another description")
+    assert id(other.codec) not in codecs
+    cache.close()
 
 
 # --- conformance cases ---------------------------------------------------------------------
