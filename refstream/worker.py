@@ -46,6 +46,9 @@ MAX_FETCH_THREADS = 4
 # Shared camera tensors a worker keeps for reuse; past this many (a consumer holding hundreds
 # of batches) a batch gets memory that is not used again.
 MAX_SHARED_BUFFERS = 1024
+# Tensors up to this size travel inside a batch's pickle, the rest as shared memory: for the
+# small ones (indices, actions, masks) that is cheaper than a file and a descriptor each.
+INLINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,8 @@ class _Group:
 
 class Batch(dict):
     """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
-    default collation stacks them. Pickled in a worker, it carries handles to its shared camera
-    tensors (``leases``); the process that receives it frees each buffer once it drops it."""
+    default collation stacks them. Pickled in a worker, it carries its small tensors inside and
+    handles to its shared camera tensors (``leases``), each freed once the receiver drops it."""
 
     __slots__ = ("leases",)
 
@@ -94,17 +97,18 @@ class Batch(dict):
         return Batch(self, self.leases)
 
     def __reduce__(self):
-        return _received, (dict(self), self.leases)
+        return _received, ({key: value.numpy() if isinstance(value, torch.Tensor)
+                            and value.nbytes <= INLINE_BYTES else value
+                            for key, value in self.items()}, self.leases)
 
 
 def _received(values: dict, leases: dict) -> Batch:
     """A batch where it is used: each leased tensor clears its buffer's flag once dropped."""
-    values = dict(values)
     for key, (flags, cell) in leases.items():
-        array = values[key].numpy()
-        weakref.finalize(array, flags.__setitem__, cell, 0).atexit = False
-        values[key] = torch.from_numpy(array)
-    return Batch(values)
+        values[key] = np.asarray(values[key])  # a tensor's memory, or an array sent inline
+        weakref.finalize(values[key], flags.__setitem__, cell, 0).atexit = False
+    return Batch({key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+                  for key, value in values.items()})
 
 
 class SharedBuffers:
@@ -122,7 +126,9 @@ class SharedBuffers:
             if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
                 break
         else:
-            tensor = torch.empty(shape, dtype=dtype).share_memory_()
+            # New shared memory, not a private tensor copied into it (share_memory_).
+            storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel() * dtype.itemsize)
+            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
             if len(self._tensors) == MAX_SHARED_BUFFERS:
                 return tensor, ()
             cell = len(self._tensors)

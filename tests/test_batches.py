@@ -218,3 +218,14 @@ def test_a_lease_ends_when_the_receiving_process_drops_the_last_view():
     gc.collect()
     again, _ = buffers.take((2, 3), torch.float32)
     assert again.data_ptr() == tensor.data_ptr()
+
+
+def test_small_values_cross_inside_the_pickle_and_camera_buffers_as_shared_memory():
+    buffers = SharedBuffers()
+    camera, lease = buffers.take((2, 1 << 18), torch.float32)  # 2 MiB
+    index = torch.arange(BATCH)
+    batch = Batch({"index": index, "camera": camera}, {"camera": lease})
+    received = pickle.loads(ForkingPickler.dumps(batch))  # as the DataLoader's queue does
+    camera[0, 0], index[0] = 7.0, 99  # written after crossing
+    assert received["camera"][0, 0] == 7.0  # the same memory
+    assert received["index"].tolist() == list(range(BATCH))  # a copy of small values
