@@ -61,18 +61,9 @@ class _Video:
     stsd: bytes  # the source's sample description: videos with the same one share a decoder
 
 
-@dataclass(frozen=True)
-class _Episode:
-    """What a fetch task produces for one episode: its rows and its videos."""
-
-    rows: dict[str, np.ndarray]  # Parquet column -> values, one entry per frame
-    videos: dict[str, _Video]  # camera -> video
-
-
 @dataclass
 class _Group:
-    """Samples made together, their frame requests not yet decoded, and the tensors their
-    frames are decoded into."""
+    """Samples made together: their values, frame requests not yet decoded, frames' tensors."""
 
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
     leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
@@ -156,22 +147,23 @@ class WorkerStream:
         threads = dataset.decode_threads  # each with its own decoders; the yielding one too
         self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
                          for _ in range(threads)]
-        self.fetch_pool = self.decode_pool = self.budget = self.byte_sizes = self.buffers = None
+        self.fetch_pool = self.decode_pool = None
+        # Without cameras an episode weighs nothing, and one path reserves, fetches and frees.
+        self.budget, self.byte_sizes = ByteBudget(limits.byte_budget or 1), dict.fromkeys(share, 0)
+        self.buffers = SharedBuffers()
         self.frame_sizes: dict[str, tuple[int, int]] = {}
-        self.payloads: dict[int, Future[_Episode]] = {}
+        self.payloads: dict[int, Future[tuple[dict, dict[str, _Video]]]] = {}  # see _fetch
         self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         try:
             if self.cameras:
                 self._plan_spans(share)
-                self.budget = ByteBudget(limits.byte_budget)
             self.fetch_pool = ThreadPoolExecutor(
                 max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
                 thread_name_prefix="refstream-fetch")
-            if threads > 1:
-                self.decode_pool = ThreadPoolExecutor(threads - 1,
-                                                      thread_name_prefix="refstream-decode")
+            self.decode_pool = ThreadPoolExecutor(max(1, threads - 1),  # started when used
+                                                  thread_name_prefix="refstream-decode")
         except BaseException:
             self.close()
             raise
@@ -218,7 +210,6 @@ class WorkerStream:
             if not shared:
                 frames[camera] = torch.empty(shape, dtype=self.torch_dtype)
                 continue
-            self.buffers = self.buffers or SharedBuffers()
             frames[camera], lease = self.buffers.take(shape, self.torch_dtype)
             leases.update({camera: lease} if lease else {})
         return _Group(frames, leases)
@@ -228,11 +219,10 @@ class WorkerStream:
         anchors given so far must be decoded first (an admission waits for the room they free,
         or the next run admits the same episodes again)."""
         for self.planner, offset, stop in runs:
-            planner = self.planner
-            planner.skip(offset)
-            planner.drain_events()
-            remaining = planner.remaining if stop is None else max(0, stop - offset)
-            to_admit = deque(planner.resident)
+            self.planner.skip(offset)
+            self.planner.drain_events()
+            remaining = self.planner.remaining if stop is None else max(0, stop - offset)
+            to_admit = deque(self.planner.resident)
             self._prefetch()
             while remaining:
                 while to_admit:
@@ -240,9 +230,9 @@ class WorkerStream:
                         to_admit.popleft()
                     else:
                         yield None
-                episode, frame = next(planner)
+                episode, frame = next(self.planner)
                 remaining -= 1
-                admitted, evicted = planner.drain_events()
+                admitted, evicted = self.planner.drain_events()
                 to_admit.extend(admitted)
                 self.drained.update(evicted)
                 self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
@@ -275,7 +265,7 @@ class WorkerStream:
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
         episode, frame = made.anchors[slot]
-        data = self.payloads[episode].result()
+        columns, videos = self.payloads[episode].result()
         length = self.ds._frames_of[episode]
         add = made.values.setdefault
         for key in self.columns + self.cameras:
@@ -283,13 +273,12 @@ class WorkerStream:
             if key in self.offsets:
                 rows, pad = window_rows(self.offsets[key], frame, length)
                 add(f"{key}_is_pad", []).append(pad)
-            if key in data.rows:
-                add(key, []).append(data.rows[key][rows])
+            if key in columns:
+                add(key, []).append(columns[key][rows])
             else:
-                video = data.videos[key]
-                pts = video.serving_pts[np.atleast_1d(rows)]
-                made.requests.append((slot, episode, key, video, pts))
-        add("task", []).append(self.meta.tasks[int(data.rows["task_index"][frame])])
+                pts = videos[key].serving_pts[np.atleast_1d(rows)]
+                made.requests.append((slot, episode, key, videos[key], pts))
+        add("task", []).append(self.meta.tasks[int(columns["task_index"][frame])])
 
     def _decode_part(self, made: _Group, thread: int) -> None:
         """Decode the group's requests that go to the decoders of ``thread``."""
@@ -323,12 +312,11 @@ class WorkerStream:
 
     def _admit(self, episode: int, wait: bool) -> bool:
         """Reserve ``episode`` and start its fetch; False if it must wait (only if not ``wait``)."""
-        if self.budget is not None:
-            size = self.byte_sizes[episode]
-            if not self.budget.acquire(episode, size, timeout_s=None if wait else 0):
-                return False
-            for evicted in self.budget.take_evicted():
-                self._discard(evicted)
+        timeout_s = None if wait else 0
+        if not self.budget.acquire(episode, self.byte_sizes[episode], timeout_s=timeout_s):
+            return False
+        for evicted in self.budget.take_evicted():
+            self._discard(evicted)
         self._start_fetch(episode)
         return True
 
@@ -338,32 +326,27 @@ class WorkerStream:
         for episode in frontier:
             if episode in self.payloads:
                 continue
-            if self.budget is not None:
-                size = self.byte_sizes[episode]
-                if self.budget.reserved_bytes + size > self.budget.budget_bytes:
-                    break  # full: keep the frontier's order, retry after the next release
-                self.budget.try_reserve(episode, size)
+            if self.budget.reserved_bytes + self.byte_sizes[episode] > self.budget.budget_bytes:
+                break  # full: keep the frontier's order, retry after the next release
+            self.budget.try_reserve(episode, self.byte_sizes[episode])
             self._start_fetch(episode)
-        if self.budget is not None:
-            # The budget evicts least recently used first: touch the frontier from its far end
-            # so an admission that must evict drops the prefetch needed last, not next.
-            for episode in reversed(frontier):
-                if self.budget.is_reserved(episode):
-                    self.budget.try_reserve(episode, self.byte_sizes[episode])
+        # The budget evicts least recently used first: touch the frontier from its far end so
+        # an admission that must evict drops the prefetch needed last, not next.
+        for episode in reversed(frontier):
+            if self.budget.is_reserved(episode):
+                self.budget.try_reserve(episode, self.byte_sizes[episode])
 
     def _start_fetch(self, episode: int) -> None:
         """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
-        if (self.budget.claim_fetch(episode) if self.budget is not None
-                else episode not in self.payloads):
+        if self.budget.claim_fetch(episode):
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
 
     def _forget(self, episode: int) -> None:
         """The episode is drained and its last anchor decoded: free its bytes and decoders."""
         self._discard(episode)
         self.drained.discard(episode)
-        if self.budget is not None:
-            self.budget.release(episode)
-            self.budget.forget(episode)
+        self.budget.release(episode)
+        self.budget.forget(episode)
 
     def _discard(self, episode: int) -> None:
         self.payloads.pop(episode, None)
@@ -373,7 +356,8 @@ class WorkerStream:
 
     # --- fetch threads ------------------------------------------------------------------------
 
-    def _fetch(self, episode: int) -> _Episode:
+    def _fetch(self, episode: int) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
+        """An episode's rows (Parquet column -> one value per frame) and videos (by camera)."""
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
@@ -381,14 +365,12 @@ class WorkerStream:
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
-            return _Episode(rows, self._videos(episode, rows["timestamp"]) if self.cameras
-                            else {})
+            return rows, self._videos(episode, rows["timestamp"]) if self.cameras else {}
         except FetchError as exc:
             # The source names the URL and byte range; only here is the episode known.
             raise type(exc)(f"episode {episode}: {exc}") from exc
         finally:
-            if self.budget is not None:
-                self.budget.mark_fetched(episode)
+            self.budget.mark_fetched(episode)
 
     def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
         """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
@@ -416,8 +398,7 @@ class WorkerStream:
         return videos
 
     def close(self) -> None:
-        if self.budget is not None:
-            self.budget.close()
+        self.budget.close()
         for pool in (self.fetch_pool, self.decode_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

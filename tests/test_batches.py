@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing  # registers the reductions that pickle tensors as handles
+from lerobot_layout import write_layout
 from torch.utils.data import DataLoader
 
 from refstream.errors import UsageError
@@ -90,6 +91,16 @@ def test_ready_batches_are_the_dataloaders_batches(root, num_workers, return_uin
     want = _plain(root, num_workers, **options)
     assert {len(b["index"]) for b in want} > {BATCH}  # short batches are part of the check
     assert_same_batches(_ready(root, num_workers, **options), want)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_without_cameras_streams_every_frame_once_both_ways(tmp_path, num_workers):
+    # Episodes without video weigh nothing in the byte budget, through the same admission path.
+    write_layout(tmp_path, list(LENGTHS), cameras=())
+    options = {"seed": 2, "delta_timestamps": {"action": [0.0, 1 / FPS]}, "episode_pool_size": 2}
+    want = _plain(tmp_path, num_workers, **options)
+    assert sorted(int(i) for b in want for i in b["index"]) == list(range(sum(LENGTHS)))
+    assert_same_batches(_ready(tmp_path, num_workers, **options), want)
 
 
 def test_ready_batches_cross_the_epoch_boundary_like_the_dataloaders(root):
