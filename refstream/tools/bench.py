@@ -16,9 +16,10 @@ decodes and converts every episode in ``num_workers`` processes, no loader. Figu
 second half of each pass (steady state), medians over repeats: samples/s; CPU ms per sample of
 the consuming thread and the workers, split into ``decode+RGB`` (the ceiling's), ``loader`` (the
 rest) and ``collate`` (the DataLoader's collation, part of the loader's); time to the first
-batch; peak RSS/PSS above the main process's; decode amplification (decoded ÷ delivered
-frames); the server's requests and bytes against the minimal spans. Then planner figures for a
-DROID-sized rank, and the targets. The machine's other work shows in every figure.
+batch; peak RSS (sampled through the pass) and PSS (at its first batch and end) above the main
+process's; decode amplification (decoded ÷ delivered frames); the server's requests and bytes
+against the minimal spans. Then planner figures for a DROID-sized rank, and the targets. The
+machine's other work shows in every figure.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ from refstream.tools.droid import (
 __all__ = ["BenchConfig", "BenchReport", "run_bench", "TARGET_TEXT"]
 
 CODECS = {"av1": "libsvtav1", "h264": "libx264"}
-MEMORY_INTERVAL_S = 0.2  # smaps_rollup read interval; each read costs ~1.6 ms per process
+# RSS read interval. RSS is read from /proc/<pid>/status (no cost to speak of); PSS needs
+# smaps_rollup, which walks every mapped page (~10 ms per process holding a worker's shared
+# buffers, a CPU the loader under test would otherwise have), so it is read at the first batch
+# and at the end of a pass only.
+MEMORY_INTERVAL_S = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # units of /proc/<pid>/stat times
 # Targets: the text shown with each check.
 TARGET_TEXT = {
@@ -268,34 +273,37 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def memory_of(pids: list[int]) -> tuple[int, int]:
-    """Summed RSS and PSS (bytes) of live ``pids``."""
-    rss = pss = 0
+def memory_of(pids: list[int], pss: bool = True) -> tuple[int, int | None]:
+    """Summed RSS and PSS (bytes) of live ``pids``; without ``pss``, RSS alone (PSS None)."""
+    rss = total_pss = 0
     for pid in pids:
-        fields = kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss"))
-        if fields:
-            rss += fields.get("Rss", 0)
-            pss += fields.get("Pss", 0)
-    return rss, pss
+        if not pss:
+            rss += (kib_fields(f"/proc/{pid}/status", ("VmRSS",)) or {}).get("VmRSS", 0)
+            continue
+        fields = kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss")) or {}
+        rss += fields.get("Rss", 0)
+        total_pss += fields.get("Pss", 0)
+    return rss, total_pss if pss else None
 
 
 class MemorySampler:
-    """Samples RSS/PSS of this process and its descendants on a background thread."""
+    """Samples the RSS of this process and its descendants on a background thread, and their
+    PSS too when asked (see MEMORY_INTERVAL_S)."""
 
     def __init__(self, interval_s: float = MEMORY_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self.baseline_rss, self.baseline_pss = memory_of([os.getpid()])
-        self.series: list[tuple[float, int, int]] = []  # (seconds since start, rss, pss)
+        self.series: list[tuple[float, int, int | None]] = []  # (s since start, rss, pss)
         self._stop = threading.Event()
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
         self._thread.start()
 
-    def sample(self) -> None:
-        """Read RSS/PSS once now (also called at the end of a pass, while its workers live)."""
+    def sample(self, pss: bool = False) -> None:
+        """Read RSS (and PSS) once now (also at the end of a pass, while its workers live)."""
         me = os.getpid()
-        rss, pss = memory_of([me, *descendants(me)])
-        self.series.append((time.perf_counter() - self._started, rss, pss))
+        rss, total_pss = memory_of([me, *descendants(me)], pss)
+        self.series.append((time.perf_counter() - self._started, rss, total_pss))
 
     def _run(self) -> None:
         while True:
@@ -308,7 +316,8 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
         peak_rss = max((r for _, r, _ in self.series), default=self.baseline_rss)
-        peak_pss = max((p for _, _, p in self.series), default=self.baseline_pss)
+        peak_pss = max((p for _, _, p in self.series if p is not None),
+                       default=self.baseline_pss)
         return peak_rss - self.baseline_rss, peak_pss - self.baseline_pss
 
 
@@ -367,7 +376,7 @@ class Pass:
     peak_pss_above_bytes: int
     decoded_frames: int  # the map-style items' own count; refstream's decoders' (DECODED)
     batch_times_s: list[tuple[float, int]] = field(default_factory=list)  # (t, samples so far)
-    memory_series: list[tuple[float, int, int]] = field(default_factory=list)
+    memory_series: list[tuple[float, int, int | None]] = field(default_factory=list)
 
 
 def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: int | None) -> Pass:
@@ -390,12 +399,12 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
             times.append((time.perf_counter() - start, samples))
             if not workers:  # the first batch: the workers have started
                 workers = descendants(os.getpid())
-                sampler.sample()
+                sampler.sample(pss=True)
             cpu.append((time.thread_time(), sum(process_cpu_s(p) for p in workers),
                         float(loader.collate_fn.seconds.sum())))
             if max_batches is not None and len(times) >= max_batches:
                 break
-        sampler.sample()  # a pass shorter than the sampling interval is measured too
+        sampler.sample(pss=True)  # a pass shorter than the sampling interval is measured too
     finally:
         del batches  # joins the DataLoader workers, so their CPU time is counted below
     total_cpu = cpu_seconds() - cpu_before
@@ -816,10 +825,10 @@ def plot(report: BenchReport, path: str | os.PathLike) -> bool:
         counts = [0] + [n for _, n in run.batch_times_s]
         top.plot(times, counts, label=f"{method.name} ({method.samples_per_s:.0f}/s)")
         bottom.plot([t for t, _, _ in run.memory_series],
-                    [p / MB for _, _, p in run.memory_series], label=method.name)
+                    [r / MB for _, r, _ in run.memory_series], label=method.name)
     top.set_ylabel("samples delivered")
     top.legend()
-    bottom.set_ylabel("PSS, MB (main + workers)")
+    bottom.set_ylabel("RSS, MB (main + workers)")
     bottom.set_xlabel("seconds since the dataset was made")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
