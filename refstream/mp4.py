@@ -89,11 +89,6 @@ class SampleIndex:
         return (int(offsets.min()), int(offsets.max())) if len(offsets) else (0, 0)
 
     @functools.cached_property
-    def keyframes(self) -> np.ndarray:
-        """Decode-order positions (int64, ascending) of the keyframes."""
-        return np.flatnonzero(self.keyframe)
-
-    @functools.cached_property
     def reordered(self) -> bool:
         """Whether presentation order differs from decode order (B-frames)."""
         return bool(np.any(self.pts[1:] <= self.pts[:-1]))

@@ -30,6 +30,9 @@ __all__ = ["Matches", "serving_samples", "Span", "select_span", "span_of", "requ
            "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
+# Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
+# touches a few pages of the mapped index instead of a whole-file array per file.
+SCAN_SAMPLES = 256
 # ftyp for a source without one: major 'isom', minor version 0x200, brands isom iso2 mp41.
 DEFAULT_FTYP = struct.pack(">I4s4sI4s4s4s", 28, b"ftyp", b"isom", 0x200, b"isom", b"iso2", b"mp41")
 IDENTITY_MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
@@ -141,18 +144,24 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
 
 def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
     """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
-    keys = index.keyframes[: np.searchsorted(index.keyframes, sample, "right")]
-    for key in keys[::-1]:  # nearly always the first one tried
-        if index.pts[key] <= pts:
-            return int(key)
+    end = sample + 1
+    while end > 0:
+        begin = max(0, end - SCAN_SAMPLES)
+        found = np.flatnonzero(index.keyframe[begin:end] & (index.pts[begin:end] <= pts))
+        if len(found):
+            return begin + int(found[-1])
+        end = begin
     raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
                         f" or before pts {pts}")
 
 
 def _keyframe_from(index: SampleIndex, sample: int) -> int:
     """The first keyframe at or after ``sample``; the sample count when there is none."""
-    at = np.searchsorted(index.keyframes, sample)
-    return int(index.keyframes[at]) if at < len(index.keyframes) else len(index)
+    for begin in range(sample, len(index), SCAN_SAMPLES):
+        found = np.flatnonzero(index.keyframe[begin : begin + SCAN_SAMPLES])
+        if len(found):
+            return begin + int(found[0])
+    return len(index)
 
 
 def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:

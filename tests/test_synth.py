@@ -402,3 +402,31 @@ def test_inconsistent_spans_are_usage_errors():
             synthesize(index, span, payload)
     with pytest.raises(UsageError):
         synthesize(index, good, payload[:-1])
+
+
+def test_a_span_allocates_memory_for_its_samples_not_for_its_file():
+    """A worker plans a span in every file its episodes touch (thousands at DROID's size) and
+    keeps every index, so planning one must not leave an array over the whole file behind: after
+    a short span near the end of a 2,000,000-sample index, far less than one int64 array of it
+    stays allocated."""
+    import tracemalloc
+
+    n = 2_000_000
+    ticks = np.arange(n, dtype=np.int64) * 512
+    keyframe = np.zeros(n, dtype=bool)
+    keyframe[::2] = True
+    sizes = np.full(n, 100, dtype=np.int64)
+    index = SampleIndex(path="p", file_size=100 * n + 100, ftyp=b"", stsd=b"\x01",
+                        codec="av01", width=2, height=2, track_id=1, timescale=15360,
+                        movie_timescale=1000, dts=ticks, pts=ticks, duration=np.full(n, 512),
+                        size=sizes, offset=100 + np.arange(n, dtype=np.int64) * 100,
+                        keyframe=keyframe)
+    times = ticks[n - 40 : n - 10] / 15360
+    tracemalloc.start()
+    try:
+        span = select_span(index, float(times[0]), float(times[-1]), 1e-4, times)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert (span.sample_lo, span.sample_hi) == (n - 40, n - 11)
+    assert held < n * 8 // 10, f"planning one span left {held:,} bytes allocated"
