@@ -20,6 +20,7 @@ PyAV: its errors become :class:`DecodeError`, cause chained; a time no frame ser
 
 from __future__ import annotations
 
+import functools
 import io
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -28,7 +29,8 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from refstream.errors import DecodeError, FrameNotFound, UsageError, check_at_least
+from refstream.errors import DecodeError, FrameNotFound, MalformedMp4, UsageError, check_at_least
+from refstream.mp4 import walk_boxes
 from refstream.synth import serving_samples
 
 __all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
@@ -40,17 +42,19 @@ class EpisodeDecoder:
     """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
 
     def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0,
-                 codec_key: object = None, peers: Iterable[EpisodeDecoder] = ()) -> None:
+                 stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = ()) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self._container = self._open()
         self._scaler = VideoReformatter()
         self.decoded_frames = 0
         stream = self._container.streams.video[0]
-        # Packets go to the codec context of a peer of the same ``codec_key`` (e.g. the sample
-        # description) when there is one: dozens of open contexts, each with its own frames
-        # and tables, cost cache misses. The context is flushed before every use.
-        peer = next((p for p in peers if codec_key is not None and p.codec_key == codec_key), None)
-        self.codec_key, self.codec = codec_key, stream.codec_context if peer is None else peer.codec
+        # Packets go to the codec context of a peer whose sample description (``stsd``, as
+        # ``SampleIndex.stsd``) sets a decoder up alike, when there is one: dozens of open
+        # contexts, each with its own frames and tables, cost cache misses. The context is
+        # flushed before every use.
+        self.setup = _decoder_setup(stsd) if stsd else None
+        peer = next((p for p in peers if self.setup and p.setup == self.setup), None)
+        self.codec = stream.codec_context if peer is None else peer.codec
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
         rate = stream.average_rate  # frames per second, None if unknown; ticks: the time base
         self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
@@ -151,16 +155,14 @@ class EpisodeDecoder:
 # swscale converts to packed rgb24 and to planar gbrp (no interleaving to undo) with one kernel
 # on most frame sizes, but not on every size, build and CPU: per kind of frame (pixel format,
 # size, colorspace, range), whether the two give the same planes, decided on random pixels.
-_PLANAR_IS_RGB24: dict[tuple, bool] = {}
-
-
-def _planar_is_rgb24(scaler: VideoReformatter, kind: tuple) -> bool:
-    pixel_format, width, height, colorspace, color_range = kind
+@functools.cache
+def _planar_is_rgb24(pixel_format: str, width: int, height: int, colorspace, color_range) -> bool:
     probe = av.VideoFrame(width, height, pixel_format)
     probe.colorspace, probe.color_range = colorspace, color_range
     random = np.random.default_rng(0)
     for plane in probe.planes:
         plane.update(random.integers(0, 256, plane.buffer_size, np.uint8).tobytes())
+    scaler = VideoReformatter()
     return np.array_equal(_rgb(scaler, probe, True), _rgb(scaler, probe, False))
 
 
@@ -169,10 +171,8 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
     """The R, G and B planes ``(H, W)`` uint8 of ``frame`` as ``to_ndarray(format="rgb24")``,
     read from its gbrp conversion if ``planar`` (by default: where the two are the same)."""
     if planar is None:
-        kind = (frame.format.name, frame.width, frame.height, frame.colorspace, frame.color_range)
-        if kind not in _PLANAR_IS_RGB24:
-            _PLANAR_IS_RGB24[kind] = _planar_is_rgb24(scaler, kind)
-        planar = _PLANAR_IS_RGB24[kind]
+        planar = _planar_is_rgb24(frame.format.name, frame.width, frame.height,
+                                  frame.colorspace, frame.color_range)
     if not planar:
         rgb = scaler.reformat(frame, format="rgb24", threads=1).to_ndarray()
         return list(rgb.transpose(2, 0, 1))
@@ -180,6 +180,24 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
     g, b, r = (np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
                [:, :frame.width] for plane in planes)
     return [r, g, b]
+
+
+# FFmpeg sets a decoder up from the sample entry (codec, size, its configuration box such as
+# av1C/avcC/hvcC: the extradata; colr: the colour of frames whose bitstream does not say, which
+# the RGB conversion reads; pasp, fiel, ...) but for btrt, a bit rate it reports only, which
+# differs between the files of one camera. A sample description not made of plain boxes is its
+# own setup.
+_ENTRY_BOXES = 8 + 86  # stsd version, flags and entry count; a VisualSampleEntry's own fields
+
+
+def _decoder_setup(stsd: bytes) -> bytes:
+    entry_end = 8 + int.from_bytes(stsd[8:12], "big")
+    try:
+        boxes = walk_boxes(stsd, _ENTRY_BOXES, entry_end, 0, "sample description")
+    except MalformedMp4:
+        return stsd
+    kept = (stsd[box.offset:box.end] for box in boxes if box.type != "btrt")
+    return b"".join([stsd[:_ENTRY_BOXES], *kept, stsd[entry_end:]])
 
 
 def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
@@ -216,13 +234,13 @@ class DecoderCache:
         return len(self._decoders)
 
     def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
-                codec_key: object = None) -> EpisodeDecoder:
-        """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos of one
-        ``codec_key`` share a codec context."""
+                stsd: bytes = b"") -> EpisodeDecoder:
+        """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos whose
+        sample descriptions ``stsd`` set a decoder up alike share a codec context."""
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts,
-                                     codec_key, self._decoders.values())
+                                     stsd, self._decoders.values())
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()

@@ -45,18 +45,20 @@ def encode_video(
     gop: int = 10,
     bframes: int = 0,
     open_gop: bool = False,
+    x264_params: str = "",
 ) -> Path:
     """Encode uint8 (T, H, W, 3) RGB ``frames`` at 30 fps into an MP4 at ``path``.
 
     x264 runs without scene-cut detection, so keyframes come every ``gop`` frames only: an
     intra frame it would insert at a cut is flagged a keyframe by FFmpeg's H.264 parser but is
-    not in ``stss``, and the tests here compare with both.
+    not in ``stss``, and the tests here compare with both. ``x264_params`` adds x264 settings
+    (``key=value:...``).
     """
     with keep_scheduling():
-        return _encode(path, frames, codec, gop, bframes, open_gop)
+        return _encode(path, frames, codec, gop, bframes, open_gop, x264_params)
 
 
-def _encode(path, frames, codec, gop, bframes, open_gop) -> Path:
+def _encode(path, frames, codec, gop, bframes, open_gop, x264_params) -> Path:
     container = av.open(str(path), "w")
     stream = container.add_stream(codec, rate=FPS)
     stream.height, stream.width = frames.shape[1:3]
@@ -64,7 +66,8 @@ def _encode(path, frames, codec, gop, bframes, open_gop) -> Path:
     stream.codec_context.gop_size = gop
     if codec == "libx264":
         stream.codec_context.max_b_frames = bframes
-        params = "scenecut=0:open-gop=1" if open_gop else "scenecut=0"
+        params = ":".join(["scenecut=0", *(["open-gop=1"] if open_gop else []),
+                           *([x264_params] if x264_params else [])])
         stream.codec_context.options = {"preset": "veryfast", "x264-params": params}
     elif codec == "libsvtav1":
         stream.codec_context.options = {"preset": "12"}

@@ -12,7 +12,6 @@ import av
 import numpy as np
 import pytest
 import torch
-from av.video.reformatter import VideoReformatter
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
 from media import decode_all, encode_video, index_from_pyav, pattern_frames
 
@@ -294,35 +293,36 @@ def test_the_planar_probe_agrees_with_every_real_frame(sized, codec, size):
     same = all(np.array_equal(f.to_ndarray(format="gbrp"), f.to_ndarray(format="rgb24"))
                for f in frames)
     f = frames[0]
-    kind = (f.format.name, f.width, f.height, f.colorspace, f.color_range)
-    assert decode._planar_is_rgb24(VideoReformatter(), kind) == same
+    assert decode._planar_is_rgb24(f.format.name, f.width, f.height, f.colorspace,
+                                   f.color_range) == same
 
 
-# --- one codec context for the open videos of one sample description --------------------------
+# --- one codec context for the open videos of one camera ----------------------------------------
 
 def test_videos_sharing_a_codec_context_decode_as_if_alone(tmp_path):
-    # Three videos of one encoder setting (B-frames: the decoder holds frames back), different
-    # pictures; asked in an interleaved random order through one cache, each frame equals a
-    # plain decode of its own file.
+    # Two files of one camera (one encoder setting, B-frames: the decoder holds frames back;
+    # their sample descriptions differ in the bit rate box) and a third of other settings
+    # (CAVLC: another avcC), different pictures; asked in an interleaved random order through
+    # one cache, each frame equals a plain decode of its own file.
     base = pattern_frames(FRAMES)
-    datas = [encode_video(tmp_path / f"{i}.mp4", np.roll(base, 7 * i, axis=2), "libx264", 5,
-                          2).read_bytes() for i in range(3)]
+    datas = [encode_video(tmp_path / f"{i}.mp4", np.roll(base, 7 * i, axis=2), "libx264", 5, 2,
+                          x264_params="cabac=0" if i == 2 else "").read_bytes()
+             for i in range(3)]
+    stsds = [parse_index_bytes(data, f"{i}.mp4").stsd for i, data in enumerate(datas)]
+    assert stsds[0] != stsds[1] and b"btrt" in stsds[0]
     oracles = [decode_all(data) for data in datas]
     cache = DecoderCache(capacity=3)
     rng = np.random.default_rng(3)
-    for _ in range(60):
+    for _ in range(90):
         i = int(rng.integers(3))
         pts = sorted(oracles[i])
         a = int(rng.integers(len(pts) - 1))
-        decoder = cache.decoder((i, "top"), datas[i], codec_key="one description")
+        decoder = cache.decoder((i, "top"), datas[i], stsd=stsds[i])
         frames = decoder.frames([pts[a + 1], pts[a]], np.float32)
         expected = np.stack([chw(oracles[i][pts[a + 1]]), chw(oracles[i][pts[a]])])
         np.testing.assert_array_equal(frames, expected.astype(np.float32) / np.float32(255))
-    codecs = {id(cache.decoder((i, "top"), datas[i], codec_key="one description").codec)
-              for i in range(3)}
-    assert len(codecs) == 1
-    other = cache.decoder((9, "top"), datas[0], codec_key="another description")
-    assert id(other.codec) not in codecs
+    codecs = [id(cache.decoder((i, "top"), datas[i], stsd=stsds[i]).codec) for i in range(3)]
+    assert codecs[0] == codecs[1] != codecs[2]
     cache.close()
 
 
