@@ -117,7 +117,7 @@ class SharedBuffers:
             if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
                 break
         else:
-            # New shared memory, not a private tensor copied into it (share_memory_).
+            # Made shared, not copied there (share_memory_): torch's default_collate does so too.
             storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel() * dtype.itemsize)
             tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
             if len(self._tensors) == MAX_SHARED_BUFFERS:
