@@ -2,9 +2,9 @@
 
 Use::
 
-    windows = make_windows({"action": [0, 1 / 30, 2 / 30]}, fps=30, tolerance_s=1e-4,
+    offsets = make_windows({"action": [0, 1 / 30, 2 / 30]}, fps=30, tolerance_s=1e-4,
                            feature_keys=meta.features)          # once, when the dataset opens
-    rows, is_pad = window_rows(windows.offsets["action"], frame=28, length=30)
+    rows, is_pad = window_rows(offsets["action"], frame=28, length=30)
     # rows == [28, 29, 29], is_pad == [False, False, True]
 
 :func:`make_windows` validates every delta before any anchor is looked at (SPEC §5.1);
@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from refstream.errors import UsageError
 
-__all__ = ["Windows", "make_windows", "window_rows", "check_tolerance"]
-
-
-@dataclass(frozen=True, eq=False)
-class Windows:
-    """Each windowed key's row offsets from the anchor (int64, in the order given)."""
-
-    offsets: dict[str, np.ndarray]
+__all__ = ["make_windows", "window_rows", "check_tolerance"]
 
 
 def make_windows(
@@ -38,13 +30,14 @@ def make_windows(
     tolerance_s: float,
     *,
     feature_keys: Collection[str] | None = None,
-) -> Windows:
-    """The row offsets of ``delta_timestamps`` (None: no windows) after SPEC §5.1's checks."""
+) -> dict[str, np.ndarray]:
+    """Each windowed key's row offsets from the anchor (int64, in the order given) after SPEC
+    §5.1's checks; ``delta_timestamps`` None has no windows."""
     if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
         raise UsageError(f"fps must be a positive integer, got {fps!r}")
     check_tolerance(tolerance_s)
     if delta_timestamps is None:
-        return Windows({})
+        return {}
     if not isinstance(delta_timestamps, Mapping):
         raise UsageError(
             f"delta_timestamps must map keys to lists of seconds, got {delta_timestamps!r}"
@@ -60,7 +53,7 @@ def make_windows(
         if isinstance(deltas, str) or not isinstance(deltas, Sequence) or not deltas:
             raise UsageError(f"delta_timestamps[{key!r}] must be a non-empty list of seconds")
         offsets[key] = np.array([_offset(key, d, fps, tolerance_s) for d in deltas], np.int64)
-    return Windows(offsets)
+    return offsets
 
 
 def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarray, np.ndarray]:

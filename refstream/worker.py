@@ -134,7 +134,7 @@ class WorkerStream:
     def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits) -> None:
         self.ds, self.meta = dataset, dataset.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
-        self.offsets = dataset.windows.offsets
+        self.offsets = dataset.windows
         self.keys = []  # a sample's keys, in the order of LeRobot's items
         for key in self.columns:
             self.keys += [key, f"{key}_is_pad"] if key in self.offsets else [key]

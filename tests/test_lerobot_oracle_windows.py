@@ -62,11 +62,11 @@ def rebuild(meta, delta_timestamps: dict) -> dict[str, np.ndarray]:
         for frame in range(length):
             for key in meta.parquet_keys:
                 value = columns[key][frame]
-                if key in windows.offsets:
-                    rows, _ = window_rows(windows.offsets[key], frame, length)
+                if key in windows:
+                    rows, _ = window_rows(windows[key], frame, length)
                     value = columns[key][rows]
                 items.setdefault(key, []).append(value)
-            for key, offsets in windows.offsets.items():
+            for key, offsets in windows.items():
                 rows, is_pad = window_rows(offsets, frame, length)
                 items.setdefault(f"{key}_is_pad", []).append(is_pad)
                 if key in meta.camera_keys:

@@ -105,7 +105,7 @@ class MapStyleVideoDataset:
         frame, length = int(self.global_index[position]) - first, int(meta.length[row])
         item: dict = {}
         for key, values in self.columns.items():
-            offsets = self.windows.offsets.get(key)
+            offsets = self.windows.get(key)
             if offsets is None:
                 item[key] = hf_to_torch(values[first + frame])
             else:
@@ -114,7 +114,7 @@ class MapStyleVideoDataset:
                 item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
         decoded = 0
         for camera in meta.camera_keys:
-            offsets = self.windows.offsets.get(camera, np.zeros(1, np.int64))
+            offsets = self.windows.get(camera, np.zeros(1, np.int64))
             rows, is_pad = window_rows(offsets, frame, length)
             times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
                 first + rows].astype(np.float64)
@@ -122,7 +122,7 @@ class MapStyleVideoDataset:
                 str(self.root / meta.video_relpath(episode, camera)), times_s, TOLERANCE_S)
             decoded += count
             item[camera] = torch.from_numpy(pixels if len(rows) > 1 else pixels[0])
-            if camera in self.windows.offsets:
+            if camera in self.windows:
                 item[f"{camera}_is_pad"] = torch.from_numpy(is_pad)
         item["task"] = meta.tasks[int(self.columns["task_index"][first + frame])]
         item["bench.decoded_frames"] = torch.tensor(decoded)
