@@ -10,9 +10,10 @@ baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot 
     so the bench can count decodes.
 
 ``decode_ceiling(root, meta, processes)`` -> :class:`Ceiling`
-    Sequential PyAV decode of every episode of every camera, converting each frame to RGB the way
-    ``refstream.decode`` does (one reused single-threaded rgb24 converter), in ``processes``
-    processes: what decoding alone costs, no loader around it.
+    Sequential PyAV decode of every episode of every camera, converting each frame to FFmpeg's
+    rgb24 (one reused single-threaded converter; ``refstream.decode``'s frames equal it, read
+    from planar output where that is the same), in ``processes`` processes: what decoding alone
+    costs, no loader around it.
 
 ``cpu_seconds()``: user + system CPU of this process and its reaped children (``os.times``).
 """
