@@ -28,14 +28,8 @@ from refstream.errors import MalformedDataset, UsageError
 if TYPE_CHECKING:
     from refstream.meta import DatasetMeta, Source
 
-__all__ = [
-    "STATS_PATH",
-    "aggregate_stats",
-    "episode_stats",
-    "load_stats",
-    "parse_stats",
-    "selection_stats",
-]
+__all__ = ["STATS_PATH", "aggregate_stats", "episode_stats", "load_stats", "parse_stats",
+           "selection_stats"]
 
 STATS_PATH = "meta/stats.json"
 # A feature's statistics: stat name -> array (float64; "count" int64).
