@@ -8,9 +8,10 @@ Use::
 
 :func:`load_meta` reads ``meta/info.json``, the episodes files (only the columns refstream uses),
 ``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats`), and checks them all
-before it returns (SPEC §4.1–4.4, §4.7). Every reader of Parquet in refstream turns a column into
-numpy with :func:`column_array` (:func:`index_column` for integer and seconds columns);
-:func:`next_file` is LeRobot's (chunk, file) rollover step.
+before it returns (SPEC §4.1–4.4, §4.7). :func:`read_parquet` reads a whole metadata Parquet
+file; every reader of Parquet in refstream turns a column into numpy with :func:`column_array`
+(:func:`index_column` for integer and seconds columns); :func:`next_file` is LeRobot's (chunk,
+file) rollover step.
 
 Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
 indices, ``float64`` seconds; an episode's frames are ``to_index − from_index``; every path the
@@ -44,7 +45,7 @@ from refstream.shard import episode_ids
 from refstream.stats import load_stats
 
 __all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
-           "column_array", "index_column", "next_file"]
+           "read_parquet", "column_array", "index_column", "next_file"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -305,7 +306,7 @@ def _read_episodes(source: Source, info: dict,
     rows, chunk, file = 0, 0, 0
     while rows < total:
         relpath = EPISODES_PATH.format(chunk_index=chunk, file_index=file)
-        table = _read_columns(source, relpath, wanted)
+        table = read_parquet(source, relpath, wanted)
         if table.num_rows == 0:
             raise MalformedDataset(f"{relpath}: no episodes ({rows} of {total} read before it)")
         for column in wanted:
@@ -327,11 +328,12 @@ def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
     return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
 
 
-def _read_columns(source: Source, relpath: str, columns: list[str]) -> pa.Table:
+def read_parquet(source: Source, relpath: str, columns: list[str] | None = None) -> pa.Table:
+    """A whole Parquet file's ``columns`` (None: all); MalformedDataset if one is missing."""
     data = source.read_bytes(relpath)
     try:
         present = set(pq.read_schema(io.BytesIO(data)).names)
-        missing = [c for c in columns if c not in present]
+        missing = [c for c in columns or [] if c not in present]
         if missing:
             raise MalformedDataset(f"{relpath}: missing column(s) {missing}")
         return pq.read_table(io.BytesIO(data), columns=columns)
@@ -444,7 +446,7 @@ def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, in
 
 def _read_tasks(source: Source, info: dict) -> list[str]:
     """Task strings by task_index (SPEC §4.4)."""
-    table = _read_columns(source, TASKS_PATH, ["task_index", "task"])
+    table = read_parquet(source, TASKS_PATH, ["task_index", "task"])
     task_type = table["task"].type
     if table["task"].null_count or not (
         pa.types.is_string(task_type) or pa.types.is_large_string(task_type)

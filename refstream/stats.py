@@ -13,7 +13,6 @@ way LeRobot combined them into ``meta/stats.json``.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from refstream.errors import MalformedDataset, UsageError
 
@@ -50,19 +48,15 @@ def load_stats(source: Source) -> Stats | None:
 
 def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
     """The statistics of ``episodes`` alone, from the episodes files that hold theirs."""
+    from refstream.meta import read_parquet  # meta imports this module
+
     rows = [meta.row(int(e)) for e in episodes]
     found: dict[int, Stats] = {}
     first = 0
     for relpath, count in meta.episodes_files:
         wanted = [row - first for row in rows if first <= row < first + count]
         if wanted:
-            data = source.read_bytes(relpath)
-            try:
-                names = [n for n in pq.read_schema(io.BytesIO(data)).names
-                         if n.startswith("stats/")]
-                table = pq.read_table(io.BytesIO(data), columns=names).take(wanted)
-            except (pa.ArrowException, OSError) as exc:
-                raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc
+            table = read_parquet(source, relpath).take(wanted)
             found.update(zip((first + w for w in wanted), episode_stats(table, relpath),
                              strict=True))
         first += count
