@@ -173,8 +173,7 @@ def load_meta(source: Source) -> DatasetMeta:
         episodes_files=episodes_files,
         stats=load_stats(source),
         **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
-        **per_camera,
-    )
+        **per_camera)
     _check_episodes(meta)
     _check_paths(meta)
     return meta
@@ -190,9 +189,8 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
     known = set(meta.episode_index.tolist())
     unknown = sorted(set(ids) - known)
     if unknown:
-        raise EpisodeSelectionError(
-            f"episodes not in the dataset: {unknown} (it has {len(known)} episodes)"
-        )
+        raise EpisodeSelectionError(f"episodes not in the dataset: {unknown} "
+                                    f"(it has {len(known)} episodes)")
     return sorted(ids)
 
 
@@ -212,9 +210,8 @@ def _read_info(source: Source) -> dict:
         value = info.get(key)
         least = 1 if key in ("fps", "chunks_size") else 0
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise MalformedDataset(
-                f"{INFO_PATH}: {key} must be an integer >= {least}, got {value!r}"
-            )
+            raise MalformedDataset(f"{INFO_PATH}: {key} must be an integer >= {least}, "
+                                   f"got {value!r}")
     features = info.get("features")
     if not isinstance(features, dict) or not features:
         raise MalformedDataset(f"{INFO_PATH}: features must be a non-empty object")
@@ -223,10 +220,9 @@ def _read_info(source: Source) -> dict:
             raise MalformedDataset(f"{INFO_PATH}: feature {key!r} has no string dtype")
     for key, feature in features.items():
         if feature["dtype"] == "image":
-            raise UnsupportedDataset(
-                f"{INFO_PATH}: feature {key!r} has dtype 'image' (images stored inside Parquet); "
-                "refstream streams only cameras stored as videos"
-            )
+            raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (images "
+                                     "stored inside Parquet); refstream streams only cameras "
+                                     "stored as videos")
     has_cameras = any(feature["dtype"] == "video" for feature in features.values())
     _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
     if has_cameras or info.get("video_path") is not None:
@@ -239,20 +235,17 @@ def _check_version(info: dict) -> None:
     version = info.get("codebase_version")
     storage = info.get("storage_format", "parquet")
     if storage == "lance":
-        raise UnsupportedDataset(
-            f"{INFO_PATH}: LeRobot {version} dataset with storage_format 'lance' (a Lance table, "
-            "read by lerobot-lancedb); refstream reads only Parquet + MP4 layouts"
-        )
+        raise UnsupportedDataset(f"{INFO_PATH}: LeRobot {version} dataset with storage_format "
+                                 "'lance' (a Lance table, read by lerobot-lancedb); refstream "
+                                 "reads only Parquet + MP4 layouts")
     if storage != "parquet":
         raise UnsupportedDataset(f"{INFO_PATH}: unknown storage_format {storage!r}")
     if not isinstance(version, str):
         raise MalformedDataset(f"{INFO_PATH}: codebase_version missing or not a string")
     if version != SUPPORTED_VERSION:
         hint = f"; convert it with LeRobot's `{CONVERT_HINT}`" if version.startswith("v2") else ""
-        raise UnsupportedDataset(
-            f"{INFO_PATH}: LeRobot {version} dataset; refstream reads only LeRobot "
-            f"{SUPPORTED_VERSION}{hint}"
-        )
+        raise UnsupportedDataset(f"{INFO_PATH}: LeRobot {version} dataset; refstream reads "
+                                 f"only LeRobot {SUPPORTED_VERSION}{hint}")
 
 
 def _check_template(template: object, name: str, fields: frozenset[str]) -> None:
@@ -262,25 +255,22 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise MalformedDataset(
-            f"{INFO_PATH}: {name} {template!r} is not a template ({exc})"
-        ) from exc
+        raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} is not a template "
+                               f"({exc})") from exc
     used = set()
     for _, field, spec, conversion in parsed:
         if field is None:
             continue
         padded = field in INDEX_FIELDS and _ZERO_PADDED.fullmatch(spec)
         if field not in fields or conversion is not None or not (spec == "" or padded):
-            raise MalformedDataset(
-                f"{INFO_PATH}: {name} {template!r}: placeholder {field!r} is not allowed as "
-                f"written; allowed are {sorted(fields)} as {{name}}, an index also as "
-                "{name:0Nd} (e.g. {chunk_index:03d})"
-            )
+            raise MalformedDataset(f"{INFO_PATH}: {name} {template!r}: placeholder {field!r} "
+                                   f"is not allowed as written; allowed are {sorted(fields)} "
+                                   "as {name}, an index also as {name:0Nd} (e.g. "
+                                   "{chunk_index:03d})")
         used.add(field)
     if used != fields:
-        raise MalformedDataset(
-            f"{INFO_PATH}: {name} {template!r} lacks placeholder(s) {sorted(fields - used)}"
-        )
+        raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} lacks placeholder(s) "
+                               f"{sorted(fields - used)}")
 
 
 def _format_path(template: str, name: str, **values: object) -> str:
@@ -315,9 +305,8 @@ def _read_episodes(source: Source, info: dict,
         files.append((relpath, table.num_rows))
         chunk, file = next_file(chunk, file, info["chunks_size"])
     if rows != total:
-        raise MalformedDataset(
-            f"meta/episodes: {rows} episode rows, but {INFO_PATH} total_episodes is {total}"
-        )
+        raise MalformedDataset(f"meta/episodes: {rows} episode rows, but {INFO_PATH} "
+                               f"total_episodes is {total}")
     if total == 0:
         return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}, []
     return {column: np.concatenate(arrays) for column, arrays in parts.items()}, files
@@ -388,43 +377,36 @@ def _check_episodes(meta: DatasetMeta) -> None:
     not_increasing = np.flatnonzero(np.diff(ids) <= 0)
     if len(not_increasing):
         i = int(not_increasing[0])
-        raise MalformedDataset(
-            f"meta/episodes: episode_index not strictly increasing: {int(ids[i])} then "
-            f"{int(ids[i + 1])} (ids must be unique and sorted)"
-        )
+        raise MalformedDataset("meta/episodes: episode_index not strictly increasing: "
+                               f"{int(ids[i])} then {int(ids[i + 1])} (ids must be unique "
+                               "and sorted)")
     frames = meta.to_index - meta.from_index
     bad = np.flatnonzero((frames != meta.length) | (meta.from_index < 0) | (frames < 0))
     if len(bad):
         i = int(bad[0])
-        raise MalformedDataset(
-            f"meta/episodes: episode {int(ids[i])}: dataset_to_index - dataset_from_index = "
-            f"{int(meta.to_index[i])} - {int(meta.from_index[i])} = {int(frames[i])}, "
-            f"but length is {int(meta.length[i])}"
-        )
+        raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: dataset_to_index - "
+                               f"dataset_from_index = {int(meta.to_index[i])} - "
+                               f"{int(meta.from_index[i])} = {int(frames[i])}, but length is "
+                               f"{int(meta.length[i])}")
     if int(frames.sum()) != meta.total_frames:
-        raise MalformedDataset(
-            f"meta/episodes: episodes hold {int(frames.sum())} frames, but {INFO_PATH} "
-            f"total_frames is {meta.total_frames}"
-        )
+        raise MalformedDataset(f"meta/episodes: episodes hold {int(frames.sum())} frames, but "
+                               f"{INFO_PATH} total_frames is {meta.total_frames}")
     for key in meta.camera_keys:
         start, end = meta.video_from_s[key], meta.video_to_s[key]
-        bad = np.flatnonzero(
-            ~(np.isfinite(start) & np.isfinite(end) & (start >= 0) & (end >= start))
-        )
+        bad = np.flatnonzero(~(np.isfinite(start) & np.isfinite(end) & (start >= 0)
+                               & (end >= start)))
         if len(bad):
             i = int(bad[0])
-            raise MalformedDataset(
-                f"meta/episodes: episode {int(ids[i])}: videos/{key} from_timestamp "
-                f"{float(start[i])!r} / to_timestamp {float(end[i])!r} is not 0 <= from <= to"
-            )
+            raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: videos/{key} "
+                                   f"from_timestamp {float(start[i])!r} / to_timestamp "
+                                   f"{float(end[i])!r} is not 0 <= from <= to")
     for name, values in [("data", (meta.data_chunk, meta.data_file))] + [
         (f"videos/{k}", (meta.video_chunk[k], meta.video_file[k])) for k in meta.camera_keys
     ]:
         bad = np.flatnonzero((values[0] < 0) | (values[1] < 0))
         if len(bad):
-            raise MalformedDataset(
-                f"meta/episodes: episode {int(ids[bad[0]])}: negative {name} chunk/file index"
-            )
+            raise MalformedDataset(f"meta/episodes: episode {int(ids[bad[0]])}: negative "
+                                   f"{name} chunk/file index")
 
 
 def _check_paths(meta: DatasetMeta) -> None:
@@ -454,13 +436,11 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         raise MalformedDataset(f"{TASKS_PATH}: column 'task' must hold strings without nulls")
     index = index_column(table, "task_index", TASKS_PATH)
     if sorted(index.tolist()) != list(range(len(index))):
-        raise MalformedDataset(
-            f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are not 0..{len(index) - 1}"
-        )
+        raise MalformedDataset(f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are "
+                               f"not 0..{len(index) - 1}")
     total = info.get("total_tasks")
     if total is not None and total != len(index):
-        raise MalformedDataset(
-            f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks is {total}"
-        )
+        raise MalformedDataset(f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks "
+                               f"is {total}")
     rows = sorted(zip(index.tolist(), table["task"].to_pylist(), strict=True))
     return [text for _, text in rows]  # by task_index, a permutation of 0 … n-1
