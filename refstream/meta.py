@@ -393,17 +393,17 @@ def _check_episodes(meta: DatasetMeta) -> None:
                                f"{INFO_PATH} total_frames is {meta.total_frames}")
     for key in meta.camera_keys:
         start, end = meta.video_from_s[key], meta.video_to_s[key]
-        bad = np.flatnonzero(~(np.isfinite(start) & np.isfinite(end) & (start >= 0)
-                               & (end >= start)))
+        ok = np.isfinite(start) & np.isfinite(end) & (start >= 0) & (end >= start)
+        bad = np.flatnonzero(~ok)
         if len(bad):
             i = int(bad[0])
             raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: videos/{key} "
                                    f"from_timestamp {float(start[i])!r} / to_timestamp "
                                    f"{float(end[i])!r} is not 0 <= from <= to")
-    for name, values in [("data", (meta.data_chunk, meta.data_file))] + [
-        (f"videos/{k}", (meta.video_chunk[k], meta.video_file[k])) for k in meta.camera_keys
-    ]:
-        bad = np.flatnonzero((values[0] < 0) | (values[1] < 0))
+    indices = [("data", meta.data_chunk, meta.data_file)]
+    indices += [(f"videos/{k}", meta.video_chunk[k], meta.video_file[k]) for k in meta.camera_keys]
+    for name, chunks, files in indices:
+        bad = np.flatnonzero((chunks < 0) | (files < 0))
         if len(bad):
             raise MalformedDataset(f"meta/episodes: episode {int(ids[bad[0]])}: negative "
                                    f"{name} chunk/file index")
@@ -430,9 +430,8 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
     """Task strings by task_index (SPEC §4.4)."""
     table = read_parquet(source, TASKS_PATH, ["task_index", "task"])
     task_type = table["task"].type
-    if table["task"].null_count or not (
-        pa.types.is_string(task_type) or pa.types.is_large_string(task_type)
-    ):
+    if table["task"].null_count or not (pa.types.is_string(task_type)
+                                        or pa.types.is_large_string(task_type)):
         raise MalformedDataset(f"{TASKS_PATH}: column 'task' must hold strings without nulls")
     index = index_column(table, "task_index", TASKS_PATH)
     if sorted(index.tolist()) != list(range(len(index))):
