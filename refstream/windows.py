@@ -24,13 +24,9 @@ from refstream.errors import UsageError
 __all__ = ["make_windows", "window_rows", "check_tolerance"]
 
 
-def make_windows(
-    delta_timestamps: Mapping[str, Sequence[float]] | None,
-    fps: int,
-    tolerance_s: float,
-    *,
-    feature_keys: Collection[str] | None = None,
-) -> dict[str, np.ndarray]:
+def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: int,
+                 tolerance_s: float, *,
+                 feature_keys: Collection[str] | None = None) -> dict[str, np.ndarray]:
     """Each windowed key's row offsets from the anchor (int64, in the order given) after SPEC
     §5.1's checks; ``delta_timestamps`` None has no windows."""
     if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
@@ -39,15 +35,13 @@ def make_windows(
     if delta_timestamps is None:
         return {}
     if not isinstance(delta_timestamps, Mapping):
-        raise UsageError(
-            f"delta_timestamps must map keys to lists of seconds, got {delta_timestamps!r}"
-        )
+        raise UsageError("delta_timestamps must map keys to lists of seconds, "
+                         f"got {delta_timestamps!r}")
     offsets = {}
     for key, deltas in delta_timestamps.items():
         if feature_keys is not None and key not in feature_keys:
-            raise UsageError(
-                f"delta_timestamps key {key!r} is not a feature (features: {sorted(feature_keys)})"
-            )
+            raise UsageError(f"delta_timestamps key {key!r} is not a feature "
+                             f"(features: {sorted(feature_keys)})")
         if isinstance(deltas, np.ndarray) and deltas.ndim == 1:
             deltas = deltas.tolist()
         if isinstance(deltas, str) or not isinstance(deltas, Sequence) or not deltas:
@@ -71,10 +65,9 @@ def _offset(key: str, delta_s: object, fps: int, tolerance_s: float) -> int:
     ticks = float(delta_s) * fps  # IEEE double product, as LeRobot computes it
     nearest = round(ticks)  # Python rounds halves to even
     if abs(ticks - nearest) / fps > tolerance_s:
-        raise UsageError(
-            f"delta_timestamps[{key!r}] value {delta_s!r} s is {abs(ticks - nearest) / fps:.3g} s "
-            f"from a frame at {fps} fps (tolerance_s {tolerance_s})"
-        )
+        raise UsageError(f"delta_timestamps[{key!r}] value {delta_s!r} s is "
+                         f"{abs(ticks - nearest) / fps:.3g} s from a frame at {fps} fps "
+                         f"(tolerance_s {tolerance_s})")
     return nearest
 
 
