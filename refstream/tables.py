@@ -65,15 +65,9 @@ def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) 
     return [i for i, s in enumerate(stats) if s is None or s[0] <= episode <= s[1]]
 
 
-def read_episode_rows(
-    source: Source,
-    relpath: str,
-    episode: int,
-    expected_rows: int,
-    columns: Sequence[str],
-    footers: Footers | None = None,
-    first_index: int | None = None,
-) -> pa.Table:
+def read_episode_rows(source: Source, relpath: str, episode: int, expected_rows: int,
+                      columns: Sequence[str], footers: Footers | None = None,
+                      first_index: int | None = None) -> pa.Table:
     """The rows of ``episode`` in ``relpath``, projected to ``columns`` (module docstring)."""
     wanted = list(dict.fromkeys(columns))
     if not wanted:
