@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from refstream.errors import RefstreamError, TableError, UsageError
+from refstream.errors import RefstreamError, TableError, UsageError, check_at_least
 from refstream.meta import column_array
 from refstream.source import RangeFile, Source
 
@@ -69,12 +69,11 @@ def read_episode_rows(source: Source, relpath: str, episode: int, expected_rows:
                       columns: Sequence[str], footers: Footers | None = None,
                       first_index: int | None = None) -> pa.Table:
     """The rows of ``episode`` in ``relpath``, projected to ``columns`` (module docstring)."""
+    where = f"{relpath}: episode {episode}"
     wanted = list(dict.fromkeys(columns))
     if not wanted:
-        raise UsageError(f"{relpath}: episode {episode}: no columns asked")
-    if expected_rows <= 0:
-        raise UsageError(f"{relpath}: episode {episode}: expected_rows must be > 0")
-    where = f"{relpath}: episode {episode}"
+        raise UsageError(f"{where}: no columns asked")
+    check_at_least(1, expected_rows=expected_rows)
     try:
         parquet = (footers or Footers()).open(source, relpath)
         names = parquet.schema_arrow.names
