@@ -206,9 +206,8 @@ def _read_info(source: Source) -> dict:
     if not isinstance(info, dict):
         raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
     _check_version(info)
-    for key in ("fps", "total_episodes", "total_frames", "chunks_size"):
+    for key, least in (("fps", 1), ("total_episodes", 0), ("total_frames", 0), ("chunks_size", 1)):
         value = info.get(key)
-        least = 1 if key in ("fps", "chunks_size") else 0
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise MalformedDataset(f"{INFO_PATH}: {key} must be an integer >= {least}, "
                                    f"got {value!r}")
