@@ -290,7 +290,8 @@ def _read_episodes(source: Source, info: dict,
     for key in camera_keys:
         wanted += [f"videos/{key}/{name}" for name in VIDEO_COLUMNS]
     total = info["total_episodes"]
-    parts: dict[str, list[np.ndarray]] = {column: [] for column in wanted}
+    # Each column starts as an empty array of its type: with no episodes it is that array.
+    parts = {c: [np.zeros(0, np.float64 if c.endswith("timestamp") else np.int64)] for c in wanted}
     files: list[tuple[str, int]] = []
     rows, chunk, file = 0, 0, 0
     while rows < total:
@@ -306,8 +307,6 @@ def _read_episodes(source: Source, info: dict,
     if rows != total:
         raise MalformedDataset(f"meta/episodes: {rows} episode rows, but {INFO_PATH} "
                                f"total_episodes is {total}")
-    if total == 0:
-        return {c: np.zeros(0, np.float64 if "timestamp" in c else np.int64) for c in wanted}, []
     return {column: np.concatenate(arrays) for column, arrays in parts.items()}, files
 
 
