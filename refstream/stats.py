@@ -110,22 +110,17 @@ def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> d
     missing = [name for name in (*_MOMENTS, *quantiles) if any(name not in part for part in parts)]
     if missing:
         raise UsageError(f"stats of {feature!r}: a part lacks {missing}")
-    counts = np.stack([np.asarray(part["count"], np.int64) for part in parts])
+    stacked = {name: np.stack([part[name] for part in parts]) for name in (*_MOMENTS, *quantiles)}
+    counts = stacked["count"].astype(np.int64)
     total = counts.sum(axis=0)
-    means = np.stack([part["mean"] for part in parts])
+    means = stacked["mean"]
     weights = counts.reshape(counts.shape + (1,) * (means.ndim - counts.ndim))
     mean = (means * weights).sum(axis=0) / total
-    variance = ((np.stack([part["std"] for part in parts]) ** 2 + (means - mean) ** 2)
-                * weights).sum(axis=0) / total
-    combined = {
-        "min": np.min(np.stack([part["min"] for part in parts]), axis=0),
-        "max": np.max(np.stack([part["max"] for part in parts]), axis=0),
-        "mean": mean,
-        "std": np.sqrt(variance),
-        "count": total,
-    }
+    variance = ((stacked["std"] ** 2 + (means - mean) ** 2) * weights).sum(axis=0) / total
+    combined = {"min": stacked["min"].min(axis=0), "max": stacked["max"].max(axis=0),
+                "mean": mean, "std": np.sqrt(variance), "count": total}
     for name in quantiles:
-        combined[name] = (np.stack([part[name] for part in parts]) * weights).sum(axis=0) / total
+        combined[name] = (stacked[name] * weights).sum(axis=0) / total
     return combined
 
 
