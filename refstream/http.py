@@ -45,15 +45,8 @@ from refstream.errors import (
 from refstream.meta import check_relpath
 from refstream.source import Source, byte_range, check_span, check_tail
 
-__all__ = [
-    "HTTPSource",
-    "RetryPolicy",
-    "Accept",
-    "Retry",
-    "FallBack",
-    "judge_response",
-    "parse_retry_after",
-]
+__all__ = ["HTTPSource", "RetryPolicy", "Accept", "Retry", "FallBack", "judge_response",
+           "parse_retry_after"]
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +89,10 @@ class FallBack:
     """The server does not serve suffix ranges: ask the size, then a plain range."""
 
 
-def judge_response(
-    status: int, headers: Mapping[str, str], *, first_last: tuple[int, int] | None = None,
-    suffix: int | None = None, known_size: int | None = None,
-    whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES, where: str = "", now: datetime | None = None,
-) -> Accept | Retry | FallBack:
+def judge_response(status: int, headers: Mapping[str, str], *,
+                   first_last: tuple[int, int] | None = None, suffix: int | None = None,
+                   known_size: int | None = None, whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES,
+                   where: str = "", now: datetime | None = None) -> Accept | Retry | FallBack:
     """The decision on an answer to ``Range: bytes=first-last`` (``first_last``), to
     ``bytes=-suffix`` or, when both are None, to a GET without ``Range`` (SPEC §8.2).
     ``headers`` is case-insensitive, ``known_size`` the file size seen before, ``now`` the time a
@@ -227,16 +219,9 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 class HTTPSource(Source):
     """Files under an HTTP(S) base URL (module docstring); ``label`` is what ``repr`` shows."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        token: str | None = None,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 60.0,
-        retry: RetryPolicy | None = None,
-        label: str | None = None,
-    ) -> None:
+    def __init__(self, base_url: str, *, token: str | None = None, connect_timeout_s: float = 10.0,
+                 read_timeout_s: float = 60.0, retry: RetryPolicy | None = None,
+                 label: str | None = None) -> None:
         if urlsplit(base_url).username or urlsplit(base_url).password:
             raise UsageError("credentials in a URL are refused; pass a token instead")
         super().__init__()
@@ -298,10 +283,9 @@ class HTTPSource(Source):
 
     # --- one logical request: attempts until one is not a Retry -----------------------------
 
-    def _get(
-        self, url: str, where: str, relpath: str | None = None, *,
-        first_last: tuple[int, int] | None = None, suffix: int | None = None,
-    ) -> tuple[bytes, Mapping[str, str]] | FallBack:
+    def _get(self, url: str, where: str, relpath: str | None = None, *,
+             first_last: tuple[int, int] | None = None,
+             suffix: int | None = None) -> tuple[bytes, Mapping[str, str]] | FallBack:
         """GET ``url`` (see :func:`judge_response`), retried: the answer and the headers."""
         headers = {}
         if first_last is not None:
@@ -312,10 +296,9 @@ class HTTPSource(Source):
         def attempt() -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
             response, hops = self._send("GET", url, headers, where)
             with contextlib.closing(response):
-                decision = judge_response(
-                    response.status_code, response.headers, first_last=first_last,
-                    suffix=suffix, known_size=self._sizes.get(relpath), where=where,
-                )
+                decision = judge_response(response.status_code, response.headers,
+                                          first_last=first_last, suffix=suffix,
+                                          known_size=self._sizes.get(relpath), where=where)
                 if not isinstance(decision, Accept):
                     return decision
                 body, broken = self._read_body(response, decision.body_bytes)
@@ -352,9 +335,8 @@ class HTTPSource(Source):
                 log.warning("%s; attempt %d of %d failed, retrying in %.2f s", outcome.cause,
                             number, policy.max_attempts, delay_s)
                 time.sleep(delay_s)
-        raise RetriesExhausted(
-            f"{where}: failed {policy.max_attempts} times; last: {outcome.cause}"
-        ) from outcome.cause
+        raise RetriesExhausted(f"{where}: failed {policy.max_attempts} times; "
+                               f"last: {outcome.cause}") from outcome.cause
 
     def _head(self, relpath: str) -> tuple[int, str]:
         """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
@@ -377,9 +359,8 @@ class HTTPSource(Source):
 
     # --- transport ----------------------------------------------------------------------------
 
-    def _send(
-        self, method: str, url: str, headers: dict[str, str], where: str
-    ) -> tuple[requests.Response, list[requests.Response]]:
+    def _send(self, method: str, url: str, headers: dict[str, str],
+              where: str) -> tuple[requests.Response, list[requests.Response]]:
         """Send, following redirects by hand (SPEC §8.2): the final response and every hop."""
         hops: list[requests.Response] = []
         for _ in range(MAX_REDIRECTS + 1):
@@ -387,10 +368,8 @@ class HTTPSource(Source):
             sent = {"Accept-Encoding": "identity", **headers}
             if self._token and _origin(url) == self._token_origin:
                 sent["Authorization"] = f"Bearer {self._token}"
-            response = self._session.request(
-                method, url, headers=sent, timeout=self._timeout, allow_redirects=False,
-                stream=True,
-            )
+            response = self._session.request(method, url, headers=sent, timeout=self._timeout,
+                                             allow_redirects=False, stream=True)
             hops.append(response)
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:

@@ -28,12 +28,7 @@ from refstream.errors import FetchError, MalformedDataset, UsageError
 from refstream.http import HTTPSource
 from refstream.meta import check_relpath
 
-__all__ = [
-    "hub_endpoint",
-    "open_hf_source",
-    "parse_hf_root",
-    "pinned_root",
-]
+__all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root"]
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -73,9 +68,8 @@ def parse_hf_root(root: str) -> HfRoot:
     parts = rest.split("/")
     if not root.startswith("hf://") or kind not in ("datasets", "buckets") or len(parts) < 2 \
             or not all(parts[:2]):
-        raise UsageError(
-            f"{root!r}: expected hf://datasets/OWNER/NAME[@REV] or hf://buckets/OWNER/NAME"
-        )
+        raise UsageError(f"{root!r}: expected hf://datasets/OWNER/NAME[@REV] "
+                         "or hf://buckets/OWNER/NAME")
     owner, name, prefix = parts[0], parts[1], "/".join(parts[2:]).strip("/")
     if prefix:
         check_relpath(prefix)
@@ -103,9 +97,8 @@ def hub_endpoint(endpoint: str | None = None) -> str:
     return (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
 
 
-def open_hf_source(
-    root: str, *, endpoint: str | None = None, token: str | None = None, **http_options
-) -> HTTPSource:
+def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None = None,
+                   **http_options) -> HTTPSource:
     """The source of an ``hf://`` root; ``http_options`` are :class:`HTTPSource` arguments."""
     endpoint = hub_endpoint(endpoint)
     token = token if token is not None else os.environ.get("HF_TOKEN") or None
@@ -163,9 +156,8 @@ class HubSource(HTTPSource):
             raise MalformedDataset(f"{missing[0]}: missing from dataset root {self.label}")
         return {relpath: found[relpath] for relpath in sorted(wanted)}
 
-    def _send(
-        self, method: str, url: str, headers: dict[str, str], where: str
-    ) -> tuple[requests.Response, list[requests.Response]]:
+    def _send(self, method: str, url: str, headers: dict[str, str],
+              where: str) -> tuple[requests.Response, list[requests.Response]]:
         """Straight to the remembered target of ``url``'s redirects, while it answers."""
         target = self._targets.get(url)
         if target is not None:
