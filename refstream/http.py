@@ -279,28 +279,43 @@ class HTTPSource(Source):
 
     def get_url(self, url: str) -> tuple[bytes, Mapping[str, str]]:
         """GET an absolute URL (a Hub API call), retried: its body and headers."""
-        return self._get(url, url)
+        body, hops = self._get(url, url)
+        return body, hops[-1].headers
 
     # --- one logical request: attempts until one is not a Retry -----------------------------
 
-    def _get(self, url: str, where: str, relpath: str | None = None, *,
+    def _head(self, relpath: str) -> tuple[int, str]:
+        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
+        url = self.url(relpath)
+        where = f"HEAD {url}"
+        hops = self._get(url, where, method="HEAD")[1]
+        size = _decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
+        if size is None:
+            raise BadRangeResponse(f"{where}: no Content-Length")
+        self._sizes[relpath] = size
+        return size, _identity_of(hops)
+
+    def _get(self, url: str, where: str, relpath: str | None = None, *, method: str = "GET",
              first_last: tuple[int, int] | None = None,
-             suffix: int | None = None) -> tuple[bytes, Mapping[str, str]] | FallBack:
-        """GET ``url`` (see :func:`judge_response`), retried: the answer and the headers."""
+             suffix: int | None = None) -> tuple[bytes, list[requests.Response]] | FallBack:
+        """``method`` ``url`` (see :func:`judge_response`), retried: the answer (none for a HEAD)
+        and the responses of the redirect chain."""
         headers = {}
         if first_last is not None:
             headers["Range"] = f"bytes={first_last[0]}-{first_last[1]}"
         if suffix is not None:
             headers["Range"] = f"bytes=-{suffix}"
 
-        def attempt() -> tuple[bytes, Mapping[str, str]] | Retry | FallBack:
-            response, hops = self._send("GET", url, headers, where)
+        def attempt() -> tuple[bytes, list[requests.Response]] | Retry | FallBack:
+            response, hops = self._send(method, url, headers, where)
             with contextlib.closing(response):
                 decision = judge_response(response.status_code, response.headers,
                                           first_last=first_last, suffix=suffix,
                                           known_size=self._sizes.get(relpath), where=where)
                 if not isinstance(decision, Accept):
                     return decision
+                if method == "HEAD":  # no body: the headers are the answer
+                    return b"", hops
                 body, broken = self._read_body(response, decision.body_bytes)
             expected = decision.body_bytes
             if broken or (expected is not None and len(body) < expected):
@@ -314,7 +329,7 @@ class HTTPSource(Source):
                 self._check_identity(relpath, _identity_of(hops), where)
             if decision.answer_bytes is not None:
                 body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
-            return body, response.headers
+            return body, hops
 
         return self._retrying(where, attempt)
 
@@ -337,25 +352,6 @@ class HTTPSource(Source):
                 time.sleep(delay_s)
         raise RetriesExhausted(f"{where}: failed {policy.max_attempts} times; "
                                f"last: {outcome.cause}") from outcome.cause
-
-    def _head(self, relpath: str) -> tuple[int, str]:
-        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
-        url = self.url(relpath)
-        where = f"HEAD {url}"
-
-        def attempt() -> tuple[int, str] | Retry:
-            response, hops = self._send("HEAD", url, {}, where)
-            response.close()
-            decision = judge_response(response.status_code, response.headers, where=where)
-            if isinstance(decision, Retry):
-                return decision
-            size = _decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
-            if size is None:
-                raise BadRangeResponse(f"{where}: no Content-Length")
-            self._sizes[relpath] = size
-            return size, _identity_of(hops)
-
-        return self._retrying(where, attempt)
 
     # --- transport ----------------------------------------------------------------------------
 
