@@ -105,9 +105,12 @@ def judge_response(status: int, headers: Mapping[str, str], *,
         size = _decimal(headers.get("Content-Length"))
         return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
     if status == 206 and asked_range:
-        got_first, got_last, total = _content_range(headers, known_size, where)
-        if first_last is None and total is None:  # a suffix is only known with the size
+        match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
+        if match is None or (first_last is None and match[3] == "*"):  # a suffix needs the size
             raise _bad_content_range(headers, where)
+        got_first, got_last = int(match[1]), int(match[2])
+        total = None if match[3] == "*" else int(match[3])
+        _check_size(known_size, total, where)
         first, last = first_last or _suffix_range(suffix, total)
         if (got_first, got_last) != (first, last):
             if got_first == first and total is not None and got_last == total - 1 < last:
@@ -167,16 +170,6 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 def _decimal(text: str | None) -> int | None:
     """``text`` as an integer when it is a decimal (ASCII digits, SPEC §8.2), else None."""
     return int(text) if text and _DECIMAL.fullmatch(text) else None
-
-
-def _content_range(headers, known_size: int | None, where: str) -> tuple[int, int, int | None]:
-    """``(first, last, total)`` of a 206's ``Content-Range`` (``total`` None for ``*``)."""
-    match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
-    if match is None:
-        raise _bad_content_range(headers, where)
-    total = None if match[3] == "*" else int(match[3])
-    _check_size(known_size, total, where)
-    return int(match[1]), int(match[2]), total
 
 
 def _bad_content_range(headers, where: str) -> BadRangeResponse:
