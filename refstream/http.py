@@ -369,16 +369,15 @@ class HTTPSource(Source):
 
     def _read_body(self, response: requests.Response, limit: int | None) -> tuple[bytes, str]:
         """The body up to ``limit + 1`` bytes, and how the connection broke (``""`` if not)."""
-        parts, done = [], 0
+        body = bytearray()
         try:
             for chunk in response.iter_content(_CHUNK_BYTES):
-                parts.append(chunk)
-                done += len(chunk)
-                if limit is not None and done > limit:
+                body += chunk
+                if limit is not None and len(body) > limit:
                     break
         except (requests.RequestException, OSError) as exc:
-            return b"".join(parts), f" (connection failed: {exc})"
-        return b"".join(parts), ""
+            return bytes(body), f" (connection failed: {exc})"
+        return bytes(body), ""
 
 
 def _identity_of(hops: list[requests.Response]) -> str:
