@@ -94,7 +94,7 @@ def judge_response(status: int, headers: Mapping[str, str], *,
                    known_size: int | None = None, whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES,
                    where: str = "", now: datetime | None = None) -> Accept | Retry | FallBack:
     """The decision on an answer to ``Range: bytes=first-last`` (``first_last``), to
-    ``bytes=-suffix`` or, when both are None, to a GET without ``Range`` (SPEC §8.2).
+    ``bytes=-suffix`` or, when both are None, to a GET or HEAD without ``Range`` (SPEC §8.2).
     ``headers`` is case-insensitive, ``known_size`` the file size seen before, ``now`` the time a
     ``Retry-After`` date is measured from (default: the clock)."""
     asked_range = first_last is not None or suffix is not None
