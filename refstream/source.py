@@ -205,13 +205,12 @@ class RangeFile(io.RawIOBase):
 
     def _read_at_position(self, limit: int) -> bytes:
         length = max(0, min(limit, self._size - self._position))
+        at = self._position - (self._size - len(self._tail))  # in the tail when not negative
         if length == 0:
-            return b""
-        tail_start = self._size - len(self._tail)
-        if self._position >= tail_start:
-            at = self._position - tail_start
-            self._position += length
-            return self._tail[at : at + length]
-        data = self.source.read_range(self.relpath, self._position, length)
+            data = b""
+        elif at >= 0:
+            data = self._tail[at : at + length]
+        else:
+            data = self.source.read_range(self.relpath, self._position, length)
         self._position += length
         return data
