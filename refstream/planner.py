@@ -182,10 +182,9 @@ def _rest(episodes, frames, delivered) -> list[int]:
     """Each episode's frames not yet delivered this epoch; UsageError for a bad ``delivered``."""
     if delivered is None:
         return [int(f) for f in frames]
-    if len(delivered) != len(episodes):
-        raise UsageError(f"{len(episodes)} episode ids but {len(delivered)} delivered counts")
+    check_episodes(episodes, delivered, "delivered counts")
     for episode, count, done in zip(episodes, frames, delivered, strict=True):
-        if not 0 <= done <= count:
+        if done > count:
             raise UsageError(f"episode {episode} has {count} frames, {done} cannot be delivered")
     return [int(f) - int(d) for f, d in zip(frames, delivered, strict=True)]
 
@@ -196,18 +195,10 @@ def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int] |
         return None
     if byte_sizes is None or byte_budget is None:
         raise UsageError("byte_sizes and byte_budget go together: give both or neither")
-    if byte_budget < 1:
-        raise UsageError(f"byte_budget must be positive, got {byte_budget}")
-    if len(byte_sizes) != len(episodes):
-        raise UsageError(f"{len(episodes)} episode ids but {len(byte_sizes)} byte sizes")
-    sizes = {}
-    for episode, count, size in zip(episodes, frames, byte_sizes, strict=True):
-        if size < 0:
-            raise UsageError(f"episode {episode} has a negative byte size {size}")
+    check_at_least(1, byte_budget=byte_budget)
+    ids = check_episodes(episodes, byte_sizes, "byte sizes")
+    for episode, count, size in zip(ids, frames, byte_sizes, strict=True):
         if count > 0 and size > byte_budget:
-            raise EpisodeTooLarge(
-                f"episode {episode} needs {size} bytes, more than the whole byte budget of "
-                f"{byte_budget} bytes"
-            )
-        sizes[int(episode)] = int(size)
-    return sizes
+            raise EpisodeTooLarge(f"episode {episode} needs {size} bytes, more than the whole "
+                                  f"byte budget of {byte_budget} bytes")
+    return {episode: int(size) for episode, size in zip(ids, byte_sizes, strict=True)}

@@ -8,7 +8,7 @@ Use::
 
 Both shares are parts of :func:`lpt_partition` (SPEC §2.1); :func:`split_limits` gives one
 worker's :class:`WorkerLimits` (SPEC §2.3). :func:`episode_ids` and :func:`check_episodes` are the
-one check of episode ids (and frame counts) that selection, sharding and the planner all call.
+one check of episode ids (and per-episode counts) that selection, sharding and the planner all call.
 A part lists its episodes in sharding order, which carries no meaning (planners reorder them).
 """
 
@@ -53,14 +53,15 @@ def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> 
     return ids
 
 
-def check_episodes(ids: Sequence[object], frames: Sequence[int]) -> list[int]:
-    """:func:`episode_ids` of ``ids``, each with one frame count ``≥ 0`` in ``frames``."""
-    if len(ids) != len(frames):
-        raise UsageError(f"{len(ids)} episode ids but {len(frames)} frame counts")
+def check_episodes(ids: Sequence[object], counts: Sequence[int],
+                   what: str = "frame counts") -> list[int]:
+    """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` of ``what`` in ``counts``."""
+    if len(ids) != len(counts):
+        raise UsageError(f"{len(ids)} episode ids but {len(counts)} {what}")
     ids = episode_ids(ids)
-    for episode, count in zip(ids, frames, strict=True):
+    for episode, count in zip(ids, counts, strict=True):
         if count < 0:
-            raise UsageError(f"frame counts must be non-negative: episode {episode} has {count}")
+            raise UsageError(f"{what} must be non-negative: episode {episode} has {count}")
     return ids
 
 
