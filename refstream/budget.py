@@ -102,10 +102,15 @@ class ByteBudget:
         """Reserve, waiting until it fits, and take one lease, atomically; False only when
         ``timeout_s`` runs out."""
         with self._cond:
-            if not self._wait_reserve_locked(episode, size_bytes, timeout_s):
-                return False
-            self._table[episode].leases += 1
-            return True
+            fits = self._reserve_locked(episode, size_bytes)
+            if not fits and (timeout_s is None or timeout_s > 0):
+                log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
+                          episode, size_bytes, self._reserved_locked(), self.budget_bytes)
+                fits = self._cond.wait_for(lambda: self._reserve_locked(episode, size_bytes),
+                                           timeout_s)
+            if fits:
+                self._table[episode].leases += 1
+            return fits
 
     def release(self, episode: int) -> None:
         """Drop one lease taken by :meth:`acquire`; UsageError without one."""
@@ -185,14 +190,6 @@ class ByteBudget:
 
     def _reserved_locked(self) -> int:
         return sum(entry.size_bytes for entry in self._table.values())
-
-    def _wait_reserve_locked(self, episode: int, size_bytes: int, timeout_s: float | None) -> bool:
-        if self._reserve_locked(episode, size_bytes):
-            return True
-        if timeout_s is None or timeout_s > 0:
-            log.debug("episode %d waits for %d bytes of the byte budget (%d of %d reserved)",
-                      episode, size_bytes, self._reserved_locked(), self.budget_bytes)
-        return self._cond.wait_for(lambda: self._reserve_locked(episode, size_bytes), timeout_s)
 
     def _reserve_locked(self, episode: int, size_bytes: int) -> bool:
         if self._closed:
