@@ -80,8 +80,7 @@ class ByteBudget:
                 reserved_bytes=self._reserved_locked(),
                 resident_bytes=sum(r.resident_bytes for r in self._table.values()),
                 peak_reserved_bytes=self._peak_reserved_bytes,
-                leases=sum(r.leases for r in self._table.values()),
-            )
+                leases=sum(r.leases for r in self._table.values()))
 
     def is_reserved(self, episode: int) -> bool:
         with self._cond:
@@ -167,11 +166,9 @@ class ByteBudget:
             if entry is None or self._closed:
                 return False
             if nbytes < 0 or entry.resident_bytes + nbytes > entry.size_bytes:
-                raise BudgetError(
-                    f"episode {episode}: payload of {nbytes} bytes would make "
-                    f"{entry.resident_bytes + nbytes} resident bytes, over its reservation of "
-                    f"{entry.size_bytes} bytes"
-                )
+                raise BudgetError(f"episode {episode}: payload of {nbytes} bytes would make "
+                                  f"{entry.resident_bytes + nbytes} resident bytes, over its "
+                                  f"reservation of {entry.size_bytes} bytes")
             entry.resident_bytes += nbytes
             return True
 
@@ -199,17 +196,13 @@ class ByteBudget:
         entry = self._table.get(episode)
         if entry is not None:
             if entry.size_bytes != size_bytes:
-                raise UsageError(
-                    f"episode {episode}: reserved at {entry.size_bytes} bytes, asked again at "
-                    f"{size_bytes} bytes"
-                )
+                raise UsageError(f"episode {episode}: reserved at {entry.size_bytes} bytes, "
+                                 f"asked again at {size_bytes} bytes")
             self._table.move_to_end(episode)
             return True
         if size_bytes > self.budget_bytes:
-            raise EpisodeTooLarge(
-                f"episode {episode}: {size_bytes} bytes exceed the byte budget of "
-                f"{self.budget_bytes} bytes"
-            )
+            raise EpisodeTooLarge(f"episode {episode}: {size_bytes} bytes exceed the byte budget "
+                                  f"of {self.budget_bytes} bytes")
         shortfall = self._reserved_locked() + size_bytes - self.budget_bytes
         if shortfall > 0:
             victims = self._victims_locked(shortfall)
