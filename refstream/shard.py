@@ -88,10 +88,9 @@ def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size:
     share = lpt_partition(ids, frames, world_size)[rank]
     if not share:
         with_frames = sum(1 for f in frames if f > 0)
-        raise ShardingError(
-            f"rank {rank} of world size {world_size} owns no episodes: the selection has "
-            f"{with_frames} episodes with frames; use a world size of at most {with_frames}"
-        )
+        raise ShardingError(f"rank {rank} of world size {world_size} owns no episodes: the "
+                            f"selection has {with_frames} episodes with frames; use a world "
+                            f"size of at most {with_frames}")
     return share
 
 
@@ -103,19 +102,12 @@ def worker_shares(ids: Sequence[int], frames: Sequence[int], num_workers: int) -
         raise ShardingError(
             f"this rank owns {with_frames} episodes with frames, fewer than its {num_workers} "
             f"DataLoader workers; use num_workers of at most {max(1, with_frames)}"
-            + (" (or a smaller world size)" if with_frames == 0 else "")
-        )
+            + (" (or a smaller world size)" if with_frames == 0 else ""))
     return shares
 
 
-def split_limits(
-    num_workers: int,
-    *,
-    pool_size: int | None,
-    byte_budget: int | None,
-    decoder_cache: int | None,
-    cameras: int,
-) -> WorkerLimits:
+def split_limits(num_workers: int, *, pool_size: int | None, byte_budget: int | None,
+                 decoder_cache: int | None, cameras: int) -> WorkerLimits:
     """One worker's limits from the per-rank settings (SPEC §2.3)."""
     check_at_least(1, num_workers=num_workers, pool_size=pool_size, decoder_cache=decoder_cache)
     check_at_least(0, cameras=cameras)
