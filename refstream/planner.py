@@ -39,21 +39,10 @@ STRATEGIES = ("pool", "round_robin")
 class Planner:
     """One worker's anchors in one epoch; arguments as SPEC §3.1 says, else UsageError."""
 
-    def __init__(
-        self,
-        episodes: Sequence[int],
-        frames: Sequence[int],
-        *,
-        seed: int | None,
-        epoch: int,
-        rank: int,
-        worker: int,
-        strategy: str = "pool",
-        pool_size: int,
-        byte_sizes: Sequence[int] | None = None,
-        byte_budget: int | None = None,
-        delivered: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, episodes: Sequence[int], frames: Sequence[int], *, seed: int | None,
+                 epoch: int, rank: int, worker: int, strategy: str = "pool", pool_size: int,
+                 byte_sizes: Sequence[int] | None = None, byte_budget: int | None = None,
+                 delivered: Sequence[int] | None = None) -> None:
         seed = resolve_seed(seed)
         _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size)
         rest = _rest(episodes, frames, delivered)

@@ -193,14 +193,8 @@ class ResumePositions:
 
 
 def resume_positions(
-    worker_frames: Sequence[int],
-    batch_size: int,
-    *,
-    epoch: int,
-    samples: int,
-    repeat: bool,
-    rank_batches: int | None = None,
-    remainders: Sequence[tuple[Sequence[int], int | None]] = (),
+    worker_frames: Sequence[int], batch_size: int, *, epoch: int, samples: int, repeat: bool,
+    rank_batches: int | None = None, remainders: Sequence[tuple[Sequence[int], int | None]] = (),
 ) -> ResumePositions:
     """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
     anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
@@ -232,8 +226,7 @@ def resume_positions(
         epochs=(epoch + passed,) * workers,
         offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, frames, strict=True)),
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, frames, strict=True)),
-        rotation=rotation,
-    )
+        rotation=rotation)
 
 
 def _walk(consumed: int, rests: Sequence[int], ordinary: int) -> tuple[int, int]:
