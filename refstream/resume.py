@@ -112,18 +112,16 @@ class ResumeState:
     def resume_with(self, current: ResumeSetup) -> ResumeState:
         """The state to resume from with ``current`` (SPEC §3.9, History); TopologyChanged names
         every other field that differs as ``name old -> new``."""
-        changes = [
-            f"{f.name} {getattr(self.setup, f.name)!r} -> {getattr(current, f.name)!r}"
-            for f in fields(ResumeSetup)
-            if f.name not in TOPOLOGY and getattr(self.setup, f.name) != getattr(current, f.name)
-        ]
+        old, new = asdict(self.setup), asdict(current)
+        changes = [f"{name} {old[name]!r} -> {new[name]!r}" for name in old
+                   if name not in TOPOLOGY and old[name] != new[name]]
         if changes:
             raise TopologyChanged(
                 f"cannot resume this checkpoint, its setup differs: {', '.join(changes)} (only "
                 "the world size, worker count and batch size may change)")
         if self.setup == current:  # the same topology: the same position
             return self
-        segment = Segment(*(getattr(self.setup, name) for name in TOPOLOGY), self.samples)
+        segment = Segment(*(old[name] for name in TOPOLOGY), self.samples)
         return ResumeState(self.epoch, 0, current, (*self.history, segment))
 
 
@@ -131,15 +129,13 @@ def _history(entries: object) -> tuple[Segment, ...]:
     """A checkpoint's ``history``; ResumeError naming the entry that breaks SPEC §3.6."""
     if not isinstance(entries, list):
         raise ResumeError("resume state field history must be a list")
-    history = []
     for item in entries:
         if not (isinstance(item, list) and len(item) == 4
                 and all(_integer(size, 1) for size in item[:3]) and _integer(item[3], 0)):
             raise ResumeError(f"resume state history entry {item!r} is not [world_size, "
                               "num_workers, batch_size, samples] with positive sizes")
         _check_whole_batches(item[3], item[2])
-        history.append(Segment(*item))
-    return tuple(history)
+    return tuple(Segment(*item) for item in entries)
 
 
 def _integer(value: object, least: int) -> bool:
