@@ -127,10 +127,8 @@ class ByteBudget:
         """Drop a drained episode's reservation (absent is fine); UsageError while it is leased
         or its fetch is in flight."""
         with self._cond:
-            if self._closed:
-                return
             entry = self._table.get(episode)
-            if entry is None:
+            if entry is None or self._closed:
                 return
             if entry.leases:
                 raise UsageError(f"episode {episode}: forget while {entry.leases} lease(s) held")
