@@ -274,18 +274,17 @@ class Course:
         self._open = [self._plan(counts) for counts in delivered.counts]
 
     def _plan(self, delivered: np.ndarray) -> _Epoch:
-        left = self._frames - delivered
-        episodes, counts = self.episodes, left.tolist()
-        setup = self.setup
+        setup, episodes = self.setup, self.episodes
+        counts = (self._frames - delivered).tolist()  # frames the epoch plans, per episode
+        left = dict(zip(episodes, counts, strict=True))
         ordinary = not delivered.any()  # then an empty share is a ShardingError saying what to use
         shares = []
         for rank, ids in enumerate(lpt_partition(episodes, counts, setup.world_size)):
             if ordinary and not ids:
                 rank_share(episodes, counts, rank, setup.world_size)
             split = worker_shares if ordinary else lpt_partition
-            shares.append(split(ids, [counts[self._index[e]] for e in ids], setup.num_workers))
-        lengths = [[int(left[[self._index[e] for e in part]].sum()) for part in parts]
-                   for parts in shares]
+            shares.append(split(ids, [left[e] for e in ids], setup.num_workers))
+        lengths = [[sum(left[e] for e in part) for part in parts] for parts in shares]
         batches = None if setup.repeat else epoch_batches(lengths, setup.batch_size)
         return _Epoch(delivered, shares, lengths, batches)
 
