@@ -328,8 +328,7 @@ class Course:
                     self.delivered.first + len(self.delivered.counts) - 1])
         counts = [self._epoch(epoch).delivered.copy() for epoch in range(first, last + 1)]
         for rank, start in enumerate(starts):
-            for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets,
-                                                         strict=True)):
+            for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets, strict=True)):
                 for done in range(first, epoch):  # whole plans: a repeat worker ran ahead
                     at = [self._index[e] for e in self.share(rank, worker, done)]
                     counts[done - first][at] = self._frames[at]
