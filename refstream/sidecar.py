@@ -33,7 +33,7 @@ import tokenize
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,24 +268,18 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
     return VideoIndex({**records, **volatile}, origin, counts["built"] + counts["volatile"])
 
 
-class MappedIndex(Mapping):
-    """``relpath -> SampleIndex`` of a :class:`VideoIndex`, each mapped read-only on first use."""
+class MappedIndex(dict):
+    """``relpath -> SampleIndex`` of a :class:`VideoIndex`, each mapped read-only on first use
+    (holds only the records mapped so far: iterate ``index.records`` for every relpath)."""
 
     def __init__(self, index: VideoIndex) -> None:
+        super().__init__()
         self.index = index
-        self._mapped: dict[str, SampleIndex] = {}
 
-    def __getitem__(self, relpath: str) -> SampleIndex:
-        if relpath not in self._mapped:
-            record = self.index.records[relpath]
-            self._mapped[relpath] = read_record(record.path, record.size, record.identity, relpath)
-        return self._mapped[relpath]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.index.records)
-
-    def __len__(self) -> int:
-        return len(self.index.records)
+    def __missing__(self, relpath: str) -> SampleIndex:
+        record = self.index.records[relpath]
+        self[relpath] = read_record(record.path, record.size, record.identity, relpath)
+        return self[relpath]
 
 
 def lock_timeout(value: float | str | None = None) -> float:
