@@ -359,11 +359,8 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
     fmt = ">Qqhh" if version == 1 else ">Iihh"  # duration, media_time, media_rate (int, fraction)
     step = struct.calcsize(fmt)
     entries = [m.unpack(elst, 8 + i * step, fmt, f"entry {i}") for i in range(count)]
-    shape_ok = all(entry[2:] == (1, 0) for entry in entries) and (
-        (count == 1 and entries[0][1] >= 0)
-        or (count == 2 and entries[0][1] == -1 and entries[1][1] >= 0)
-    )
-    if not shape_ok:
+    rate_one = all(entry[2:] == (1, 0) for entry in entries)
+    if not (rate_one and entries[-1][1] >= 0 and (count == 1 or entries[0][1] == -1)):
         raise m.bad(elst, f"edit list {[e[:2] for e in entries]} with rates"
                     f" {[e[2:] for e in entries]}; only one rate-1 media edit, optionally after"
                     " one empty edit, is supported", UnsupportedMp4)
