@@ -123,16 +123,12 @@ def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) 
     if kind == "uuid":
         header += 16
     if size != 0 and size < header:
-        raise MalformedMp4(
-            f"{path}: box '{kind}' at offset {where}: size {size} is smaller than its"
-            f" {header}-byte header"
-        )
+        raise MalformedMp4(f"{path}: box '{kind}' at offset {where}: size {size} is smaller "
+                           f"than its {header}-byte header")
     size = size or end - where  # size 0: the box extends to the end of its parent
     if size < header or where + size > end:
-        raise MalformedMp4(
-            f"{path}: box '{kind}' at offset {where} (size {size}) runs past the end of its"
-            f" parent (or the file) at offset {end}"
-        )
+        raise MalformedMp4(f"{path}: box '{kind}' at offset {where} (size {size}) runs past the "
+                           f"end of its parent (or the file) at offset {end}")
     return Box(kind, where, header, size)
 
 
@@ -458,12 +454,10 @@ def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
     dts, pts, duration = _timestamps(m, stbl, _edit_list(m, trak), n, timescale,
                                      movie_timescale, keyframe)
     stsd_payload = moov_bytes[stsd.payload_offset - moov.offset : stsd.end - moov.offset]
-    return SampleIndex(
-        path=path, file_size=file_size, ftyp=ftyp, stsd=bytes(stsd_payload), codec=codec,
-        width=width, height=height, track_id=track_id, timescale=timescale,
-        movie_timescale=movie_timescale, dts=dts, pts=pts, duration=duration, size=size,
-        offset=offset, keyframe=keyframe,
-    )
+    return SampleIndex(path=path, file_size=file_size, ftyp=ftyp, stsd=bytes(stsd_payload),
+                       codec=codec, width=width, height=height, track_id=track_id,
+                       timescale=timescale, movie_timescale=movie_timescale, dts=dts, pts=pts,
+                       duration=duration, size=size, offset=offset, keyframe=keyframe)
 
 
 def parse_index(read_range: ReadRange, file_size: int, path: str) -> SampleIndex:
