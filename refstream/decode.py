@@ -230,9 +230,6 @@ class DecoderCache:
         self.capacity = capacity
         self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._decoders)
-
     def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
                 stsd: bytes = b"") -> EpisodeDecoder:
         """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos whose
