@@ -3,7 +3,6 @@
 Use::
 
     index = parse_index(read_range, file_size, path)     # read_range(offset, length) -> bytes
-    index = parse_index_bytes(data, path)                # or the whole file in memory
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
@@ -26,8 +25,8 @@ import numpy as np
 
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
-__all__ = ["Box", "SampleIndex", "EditList", "parse_index", "parse_index_bytes", "locate_moov",
-           "parse_moov", "walk_boxes", "read_box"]
+__all__ = ["Box", "SampleIndex", "EditList", "parse_index", "locate_moov", "parse_moov",
+           "walk_boxes", "read_box"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -464,12 +463,5 @@ def parse_index(read_range: ReadRange, file_size: int, path: str) -> SampleIndex
     """The :class:`SampleIndex` of the file's first video track."""
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     return parse_moov(moov_bytes, moov, file_size, ftyp, path)
-
-
-def parse_index_bytes(data: bytes, path: str) -> SampleIndex:
-    """:func:`parse_index` of a whole file held in memory."""
-    view = memoryview(data)
-    return parse_index(lambda offset, length: bytes(view[offset : offset + length]),
-                       len(data), path)
 
 

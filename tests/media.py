@@ -18,7 +18,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from refstream.mp4 import SampleIndex
+from refstream.mp4 import SampleIndex, parse_index
 from refstream.tools.demo import keep_scheduling
 
 # SVT-AV1 prints its configuration on every open unless told to log errors only.
@@ -128,6 +128,13 @@ def index_from_pyav(source: Path | bytes, path: str | None = None) -> SampleInde
         offset=np.array(columns[4], np.int64),
         keyframe=np.array(columns[5], bool),
     )
+
+
+def parse_index_bytes(data: bytes, path: str) -> SampleIndex:
+    """``refstream.mp4.parse_index`` of a whole file held in memory."""
+    view = memoryview(data)
+    return parse_index(lambda offset, length: bytes(view[offset : offset + length]),
+                       len(data), path)
 
 
 def decode_all(source: Path | bytes) -> dict[int, np.ndarray]:

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 from make_sidecar_decode_fixtures import FIXTURES, oracle_frame_select
-from media import decode_all, encode_video, index_from_pyav, pattern_frames
+from media import decode_all, encode_video, index_from_pyav, parse_index_bytes, pattern_frames
 
 from refstream import decode
 from refstream.decode import DecoderCache, EpisodeDecoder, select_frames
 from refstream.errors import DecodeError, FrameNotFound, UsageError
-from refstream.mp4 import parse_index_bytes
 from refstream.synth import select_span, synthesize
 from refstream.tools import conformance
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from media import parse_index_bytes
 
 from refstream import errors
-from refstream.mp4 import parse_index, parse_index_bytes, walk_boxes
+from refstream.mp4 import parse_index, walk_boxes
 from refstream.tools.adapters import kind_mp4_index
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"

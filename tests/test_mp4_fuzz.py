@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from media import parse_index_bytes
 
 from refstream.errors import RefstreamError
-from refstream.mp4 import parse_index_bytes
 
 MEDIA = Path(__file__).resolve().parents[1] / "spec" / "fixtures" / "mp4"
 SEEDS = ["h264_b", "h264_b_faststart", "h264_negcts", "h264_offset", "h264_audio", "av1_g2",

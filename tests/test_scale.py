@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from media import parse_index_bytes
 
 from refstream.meta import load_meta
-from refstream.mp4 import parse_index_bytes
 from refstream.source import LocalSource
 from refstream.tools import scale
 from refstream.tools.bench import droid_lengths

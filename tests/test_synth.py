@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from media import parse_index_bytes
 
 from refstream.errors import FrameNotFound, UsageError
-from refstream.mp4 import SampleIndex, parse_index, parse_index_bytes
+from refstream.mp4 import SampleIndex, parse_index
 from refstream.synth import (
     Span,
     select_span,

@@ -32,7 +32,7 @@ from refstream.errors import BudgetError, MalformedDataset, RefstreamError, Usag
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.hub import hub_endpoint, parse_hf_root
 from refstream.meta import check_relpath, load_meta, select_episodes
-from refstream.mp4 import SampleIndex, parse_index_bytes
+from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
@@ -357,19 +357,20 @@ def kind_sidecar_record(case: dict) -> dict:
             "arrays_sha256": hashlib.sha256(arrays).hexdigest()}
 
 
-def _media_index(case_input: dict):
-    return parse_index_bytes(Path(case_input["file"]).read_bytes(), case_input["file"])
+def _media_index(case_input: dict) -> tuple[bytes, SampleIndex]:
+    data = Path(case_input["file"]).read_bytes()
+    return data, parse_index(lambda at, n: data[at : at + n], len(data), case_input["file"])
 
 
 def kind_mp4_index(case_input: dict) -> dict:
-    index = _media_index(case_input)
+    _, index = _media_index(case_input)
     scalars = ("codec", "width", "height", "track_id", "timescale")
     return ({name: getattr(index, name) for name in scalars}
             | {name: getattr(index, name).tolist() for name in ARRAY_FIELDS})
 
 
 def kind_span(case_input: dict) -> dict:
-    index = _media_index(case_input)
+    _, index = _media_index(case_input)
     times = case_input.get("request_times_s")
     request_times_s = None if times is None else np.asarray(times, float)
     span = select_span(index, case_input["from_s"], case_input["to_s"],
@@ -379,8 +380,7 @@ def kind_span(case_input: dict) -> dict:
 
 
 def kind_synth(case_input: dict) -> dict:
-    file = Path(case_input["file"]).read_bytes()
-    index = parse_index_bytes(file, case_input["file"])
+    file, index = _media_index(case_input)
     span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
     data = synthesize(index, span, file[span.byte_offset : span.byte_offset + span.byte_length])
     return {"synthesized_size": synthesized_size(index, span), "size": len(data),
