@@ -286,14 +286,12 @@ def lock_timeout(value: float | str | None = None) -> float:
     """Seconds to wait for another build's lock, as SPEC §10.6 says; else a ``UsageError``."""
     if value is None:
         value = os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S)
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not seconds >= 0:
-        raise UsageError(f"index lock timeout {value!r} (sidecar_lock_timeout_s, else "
-                         f"{LOCK_TIMEOUT_ENV}): expected seconds, a number >= 0")
-    return seconds
+        if seconds >= 0:
+            return seconds
+    raise UsageError(f"index lock timeout {value!r} (sidecar_lock_timeout_s, else "
+                     f"{LOCK_TIMEOUT_ENV}): expected seconds, a number >= 0")
 
 
 def _missing(records: dict[str, Record]) -> list[str]:
@@ -424,11 +422,10 @@ def _remove_orphans(folder: Path) -> None:
 
 def _process_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # it exists, owned by someone else
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass  # it exists, owned by someone else
     return True
 
 
