@@ -255,9 +255,9 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
             _remove_orphans(folder)
             missing = _missing(records)  # another process may have installed them meanwhile
             if missing:
-                counts["published"] = _take_published(source, records, missing)
-                missing = _missing({relpath: records[relpath] for relpath in missing})
-            _index_files(source, {r: records[r] for r in missing}, workers)
+                counts["published"] = _take_published(source, missing)
+                missing = _missing(missing)
+            _index_files(source, missing, workers)
             counts["built"] = len(missing)
             fsync_directory(folder)
     counts["cached"] = len(records) - counts["published"] - counts["built"]
@@ -294,21 +294,21 @@ def lock_timeout(value: float | str | None = None) -> float:
                      f"{LOCK_TIMEOUT_ENV}): expected seconds, a number >= 0")
 
 
-def _missing(records: dict[str, Record]) -> list[str]:
-    """The relpaths whose record is absent or not valid."""
-    missing = []
+def _missing(records: dict[str, Record]) -> dict[str, Record]:
+    """The ``records`` whose file is absent or not valid."""
+    missing = {}
     for relpath, record in records.items():
         try:
             read_record(record.path, record.size, record.identity, relpath)
         except FileNotFoundError:
-            missing.append(relpath)
+            missing[relpath] = record
         except SidecarInvalid as exc:
             log.info("%s: indexing again", exc)
-            missing.append(relpath)
+            missing[relpath] = record
     return missing
 
 
-def _take_published(source: Source, records: dict[str, Record], wanted: list[str]) -> int:
+def _take_published(source: Source, wanted: dict[str, Record]) -> int:
     """Install the ``wanted`` records that the dataset's published index holds; how many."""
     taken = 0
     try:
@@ -320,8 +320,7 @@ def _take_published(source: Source, records: dict[str, Record], wanted: list[str
                                    max(1, min(size, PUBLISHED_READ_BYTES)))
         with zipfile.ZipFile(reader) as archive:
             members = set(archive.namelist())
-            for relpath in wanted:
-                record = records[relpath]
+            for relpath, record in wanted.items():
                 name = Path(record.path).name
                 if name not in members:
                     continue

@@ -400,7 +400,7 @@ def check_published(seed: SidecarSeed, label: str, data: bytes) -> None:
         cache.mkdir()
         records = {r: sidecar.Record(x.size, x.identity, str(cache / Path(x.path).name))
                    for r, x in seed.records.items()}
-        sidecar._take_published(LocalSource(folder), records, list(records))
+        sidecar._take_published(LocalSource(folder), records)
         return {r: index_fields(read_record(x.path, x.size, x.identity, r))
                 for r, x in records.items() if Path(x.path).exists()}
 
