@@ -183,8 +183,7 @@ class _Moov:
 
     def children(self, parent: Box) -> list[Box]:
         rel = parent.payload_offset - self.box.offset
-        return walk_boxes(self.data, rel, parent.end - self.box.offset, self.box.offset,
-                          self.path)
+        return walk_boxes(self.data, rel, parent.end - self.box.offset, self.box.offset, self.path)
 
     def child(self, parent: Box, kind: str, required: bool = True) -> Box | None:
         found = [b for b in self.children(parent) if b.type == kind]
@@ -423,8 +422,7 @@ def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, ha
         raise UnsupportedMp4(f"{where} ends at keyframe {stop}, before the last sample")
 
 
-def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes,
-               path: str) -> SampleIndex:
+def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes, path: str) -> SampleIndex:
     """The :class:`SampleIndex` of the video track of a complete moov box (SPEC §6.3–6.5)."""
     m = _Moov(moov_bytes, moov, path)
     if m.child(moov, "mvex", required=False) is not None:

@@ -26,8 +26,7 @@ from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex
 
 __all__ = ["Matches", "serving_samples", "Span", "select_span", "span_of", "request_times_s",
-           "episode_spans", "synthesized_size", "synthesize_header", "synthesize",
-           "DEFAULT_FTYP"]
+           "episode_spans", "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
 # Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
