@@ -417,9 +417,8 @@ def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, ha
     ending = np.flatnonzero(keyframe & (presentation + frame >= start + length))
     # With a ctts, FFmpeg reads on past the first such keyframe and stops at the second.
     nth = 1 if has_ctts else 0
-    stop = ending[nth] if len(ending) > nth else None
-    if stop is not None and stop != len(presentation) - 1:
-        raise UnsupportedMp4(f"{where} ends at keyframe {stop}, before the last sample")
+    if len(ending) > nth and ending[nth] != len(presentation) - 1:
+        raise UnsupportedMp4(f"{where} ends at keyframe {ending[nth]}, before the last sample")
 
 
 def parse_moov(moov_bytes: bytes, moov: Box, file_size: int, ftyp: bytes, path: str) -> SampleIndex:
