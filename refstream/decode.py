@@ -12,10 +12,9 @@ Use::
 
 Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
 video's local time 0. A decoder decodes exactly the frames asked (any order, repeats allowed),
-converting each into its place: ``uint8`` RGB (FFmpeg's ``rgb24``, as PyAV's
-``to_ndarray``) or ``float32`` RGB / 255 (LeRobot's division). The only module that imports
-PyAV: its errors become :class:`DecodeError`, cause chained; a time no frame serves is
-:class:`FrameNotFound` naming the episode, camera and time.
+converting each into its place as ``uint8`` or ``float32`` RGB (SPEC §10.8 Output). The only
+module that imports PyAV: its errors become :class:`DecodeError`, cause chained; a time no
+frame serves is :class:`FrameNotFound` naming the episode, camera and time.
 """
 
 from __future__ import annotations
@@ -202,9 +201,8 @@ def _decoder_setup(stsd: bytes) -> bytes:
 
 def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
                   tolerance_s: float, label: str = "video") -> np.ndarray:
-    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each request: of the
-    frames :func:`refstream.synth.serving_samples` finds, the nearest, ties to the earlier pts;
-    ``FrameNotFound`` when none serves (SPEC §10.8)."""
+    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each request, of those
+    :func:`refstream.synth.serving_samples` finds (SPEC §10.8); ``FrameNotFound`` if none does."""
     pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
     matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
     unserved = matches.unserved(len(times_s))
