@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 import sys
 import time
@@ -308,6 +307,12 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
     return missing
 
 
+def _install_record(relpath: str, record: Record, data: bytes) -> None:
+    """Install ``data`` as ``record``'s file once it reads back as the record of ``relpath``."""
+    install(Path(record.path), lambda f: f.write(data),
+            lambda path: read_record(path, record.size, record.identity, relpath, verify=True))
+
+
 def _take_published(source: Source, wanted: dict[str, Record]) -> int:
     """Install the ``wanted`` records that the dataset's published index holds; how many."""
     taken = 0
@@ -324,10 +329,7 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
                 name = Path(record.path).name
                 if name not in members:
                     continue
-                with archive.open(name) as member:
-                    install(Path(record.path), lambda f, m=member: shutil.copyfileobj(m, f),
-                            lambda p, r=record, rp=relpath: read_record(
-                                p, r.size, r.identity, rp, verify=True))
+                _install_record(relpath, record, archive.read(name))
                 taken += 1
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
@@ -345,9 +347,7 @@ def _index_files(source: Source, records: dict[str, Record], workers: int) -> No
             source.expect_identity(relpath, record.identity)
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
-        data = record_bytes(index, record.identity)  # read_record below checks its size
-        install(Path(record.path), lambda f: f.write(data),
-                lambda p: read_record(p, record.size, record.identity, relpath, verify=True))
+        _install_record(relpath, record, record_bytes(index, record.identity))
 
     started, shown = time.monotonic(), False
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
