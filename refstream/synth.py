@@ -190,10 +190,9 @@ def episode_spans(meta: DatasetMeta, episode: int, indexes: Mapping[str, SampleI
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:
         index = indexes[meta.video_relpath(episode, camera)]
+        from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
         times_s = request_times_s(meta, episode, camera, timestamps_s)
-        spans[camera] = index, select_span(index, float(meta.video_from_s[camera][row]),
-                                           float(meta.video_to_s[camera][row]), tolerance_s,
-                                           times_s)
+        spans[camera] = index, select_span(index, from_s, to_s, tolerance_s, times_s)
     return spans
 
 
