@@ -247,19 +247,19 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
     records = {relpath: Record(size, identity, str(folder / record_name(size, identity)))
                for relpath, (size, identity) in identities.items() if identity}
     volatile = _volatile_records(folder, identities, records)
-    counts = {"cached": 0, "published": 0, "built": 0, "volatile": len(volatile)}
     _index_files(source, volatile, workers)
+    published, missing = 0, {}
     if _missing(records):
         with _exclusive(folder / ".lock", timeout_s):
             _remove_orphans(folder)
             missing = _missing(records)  # another process may have installed them meanwhile
             if missing:
-                counts["published"] = _take_published(source, missing)
+                published = _take_published(source, missing)
                 missing = _missing(missing)
-            _index_files(source, missing, workers)
-            counts["built"] = len(missing)
+            _index_files(source, missing, workers)  # what is still missing is built here
             fsync_directory(folder)
-    counts["cached"] = len(records) - counts["published"] - counts["built"]
+    counts = {"cached": len(records) - published - len(missing), "published": published,
+              "built": len(missing), "volatile": len(volatile)}
     origin = next((o for o in ("volatile", "built", "published") if counts[o]), "cache")
     log.info("video index of %d files in %.2f s: %s (%s)", len(identities),
              time.monotonic() - started, ", ".join(f"{n} {o}" for o, n in counts.items() if n),
@@ -448,7 +448,7 @@ def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
                         f"waited {waited:.1f} s for the index lock {lock_path} held by another "
                         f"build (timeout {timeout_s} s: set {LOCK_TIMEOUT_ENV} or "
                         "sidecar_lock_timeout_s to change it)") from None
-                time.sleep(min(LOCK_POLL_S, max(0.0, timeout_s - waited)))
+                time.sleep(min(LOCK_POLL_S, timeout_s - waited))
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
