@@ -219,9 +219,8 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 
 class DecoderCache:
-    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least
-    recently used closed first; for one thread at a time (a worker gives each decode thread
-    its own)."""
+    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least recently
+    used closed first; for one thread at a time (a worker gives each decode thread its own)."""
 
     def __init__(self, capacity: int) -> None:
         check_at_least(1, capacity=capacity)
