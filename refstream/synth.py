@@ -52,9 +52,7 @@ class Matches:
 
     def unserved(self, count: int) -> np.ndarray:
         """Positions (int64, ascending) of the ``count`` requests no sample serves."""
-        missing = np.ones(count, bool)
-        missing[self.request] = False
-        return np.flatnonzero(missing)
+        return np.setdiff1d(np.arange(count), self.request)
 
 
 def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
