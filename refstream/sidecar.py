@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 import sys
 import time
@@ -307,9 +308,10 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
     return missing
 
 
-def _install_record(relpath: str, record: Record, data: bytes) -> None:
-    """Install ``data`` as ``record``'s file once it reads back as the record of ``relpath``."""
-    install(Path(record.path), lambda f: f.write(data),
+def _install_record(relpath: str, record: Record, write: Callable[[BinaryIO], object]) -> None:
+    """Install what ``write`` writes as ``record``'s file once it reads back as the record of
+    ``relpath``."""
+    install(Path(record.path), write,
             lambda path: read_record(path, record.size, record.identity, relpath, verify=True))
 
 
@@ -329,7 +331,8 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
                 name = Path(record.path).name
                 if name not in members:
                     continue
-                _install_record(relpath, record, archive.read(name))
+                with archive.open(name) as member:  # copied in pieces, never held whole
+                    _install_record(relpath, record, lambda f: shutil.copyfileobj(member, f))
                 taken += 1
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
@@ -347,7 +350,8 @@ def _index_files(source: Source, records: dict[str, Record], workers: int) -> No
             source.expect_identity(relpath, record.identity)
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
-        _install_record(relpath, record, record_bytes(index, record.identity))
+        data = record_bytes(index, record.identity)
+        _install_record(relpath, record, lambda f: f.write(data))
 
     started, shown = time.monotonic(), False
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
