@@ -40,11 +40,11 @@ from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
 from refstream.rng import MASK64, resolve_seed
-from refstream.sidecar import VideoIndex, ensure_index, lock_timeout, video_relpaths
+from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.windows import check_tolerance, make_windows
-from refstream.worker import Batch, WorkerStream
+from refstream.worker import Batch, WorkerStream, plan_spans
 
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
@@ -225,7 +225,7 @@ class StreamingDataset(IterableDataset):
         self._history = resumed.history
         self._delivered = None
         if resumed.history:
-            sizes = self._byte_sizes(self.episodes) if self.meta.camera_keys else None
+            _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
 
@@ -238,13 +238,6 @@ class StreamingDataset(IterableDataset):
             byte_budget=self.byte_budget, world_size=self.world_size,
             num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
             selection=resume.selection_digest(self.episodes, self._frames))
-
-    def _byte_sizes(self, episodes: list[int]) -> dict[int, int]:
-        """Each episode's exact byte size, computed as a worker computes its share's."""
-        limits = shard.split_limits(1, pool_size=None, byte_budget=self.byte_budget,
-                                    decoder_cache=None, cameras=len(self.meta.camera_keys))
-        with contextlib.closing(WorkerStream(self, episodes, limits)) as worker:
-            return dict(worker.byte_sizes)
 
     # --- iteration ----------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,13 +32,14 @@ from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache, select_frames
 from refstream.errors import FetchError, TableError
 from refstream.meta import column_array
+from refstream.mp4 import SampleIndex
 from refstream.planner import Planner
 from refstream.sidecar import MappedIndex
 from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 
-__all__ = ["WorkerStream", "Batch", "SharedBuffers", "hf_to_torch"]
+__all__ = ["WorkerStream", "Batch", "SharedBuffers", "plan_spans", "hf_to_torch"]
 
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
@@ -148,17 +149,21 @@ class WorkerStream:
         self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
                          for _ in range(threads)]
         self.fetch_pool = self.decode_pool = None
-        # Without cameras an episode weighs nothing, and one path reserves, fetches and frees.
-        self.budget, self.byte_sizes = ByteBudget(limits.byte_budget or 1), dict.fromkeys(share, 0)
-        self.buffers = SharedBuffers()
-        self.frame_sizes: dict[str, tuple[int, int]] = {}
+        self.budget, self.buffers = ByteBudget(limits.byte_budget or 1), SharedBuffers()
         self.payloads: dict[int, Future[tuple[dict, dict[str, _Video]]]] = {}  # see _fetch
         self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
+        self.index = MappedIndex(dataset.video_index)
         try:
-            if self.cameras:
-                self._plan_spans(share)
+            if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
+                for relpath, record in dataset.video_index.records.items():
+                    if record.identity:
+                        self.source.expect_identity(relpath, record.identity)
+            # Without cameras an episode weighs nothing, and one path reserves, fetches and frees.
+            self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
+            self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
+                                for camera, (index, _) in self.spans[share[0]].items()}
             self.fetch_pool = ThreadPoolExecutor(
                 max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
                 thread_name_prefix="refstream-fetch")
@@ -167,20 +172,6 @@ class WorkerStream:
         except BaseException:
             self.close()
             raise
-
-    def _plan_spans(self, share: list[int]) -> None:
-        """The share's (episode, camera) spans and each episode's exact byte size (SPEC §9.2)."""
-        self.index = MappedIndex(self.ds.video_index)
-        # A payload read later must come from the file as it was indexed (else PayloadChanged).
-        for relpath, record in self.ds.video_index.records.items():
-            if record.identity:
-                self.source.expect_identity(relpath, record.identity)
-        self.spans = {e: synth.episode_spans(self.meta, e, self.index, self.ds.tolerance_s)
-                      for e in share}
-        self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
-                            for camera, (index, _) in self.spans[share[0]].items()}
-        self.byte_sizes = {e: sum(synth.synthesized_size(*pair) for pair in spans.values())
-                           for e, spans in self.spans.items()}
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -414,3 +405,13 @@ def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
     array = np.asarray(values)
     dtype = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}.get(array.dtype.kind)
     return array.tolist() if dtype is None else torch.from_numpy(array.astype(dtype))
+
+
+def plan_spans(dataset, episodes: Sequence[int], index: Mapping[str, SampleIndex]
+               ) -> tuple[dict[int, dict[str, tuple[SampleIndex, synth.Span]]], dict[int, int]]:
+    """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
+    exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
+    spans = {e: synth.episode_spans(dataset.meta, e, index, dataset.tolerance_s)
+             for e in episodes}
+    return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
+                   for e in episodes}

@@ -25,8 +25,10 @@ from torch.utils.data import DataLoader
 import refstream.worker
 from refstream.budget import ByteBudget
 from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
+from refstream.sidecar import MappedIndex
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools.demo import read_frame_label, serve_directory, write_demo_dataset
+from refstream.worker import plan_spans
 
 FPS = 30
 TOLERANCE_S = 1e-4
@@ -385,7 +387,8 @@ def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
 
 def test_an_episode_over_a_workers_share_of_the_budget_says_what_to_change(resume_root):
     probe = StreamingDataset(resume_root)
-    largest = max(probe._byte_sizes(probe.episodes).values())
+    _, sizes = plan_spans(probe, probe.episodes, MappedIndex(probe.video_index))
+    largest = max(sizes.values())
     budget_gb = 1.5 * largest / GIB  # holds every episode, but half of it does not
     one = DataLoader(StreamingDataset(resume_root, byte_budget_gb=budget_gb), batch_size=4)
     assert sum(len(batch["index"]) for batch in one) == sum(RESUME_LENGTHS)
