@@ -189,8 +189,7 @@ class WorkerStream:
             if len(made.anchors) == group:
                 yield from self._emit(made, batched, in_worker)
                 made = self._group(group, shared)
-        if made.anchors:
-            self._decode(made)
+        if made.anchors:  # decoded at the last run's end (None)
             yield from self._emit(made, batched, in_worker)
 
     def _group(self, size: int, shared: bool) -> _Group:
@@ -235,7 +234,6 @@ class WorkerStream:
     def _decode(self, made: _Group) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
         own decoders), then free the episodes they finish."""
-        new = made.anchors[made.done:]
         for slot in range(made.done, len(made.anchors)):
             self._gather(made, slot)
         futures = [self.decode_pool.submit(self._decode_part, made, thread)
@@ -244,9 +242,9 @@ class WorkerStream:
         for future in futures:
             future.result()
         made.requests.clear()
-        made.done = len(made.anchors)
-        for episode, _ in new:
+        for episode, _ in made.anchors[made.done:]:
             self.in_flight[episode] -= 1
+        made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
         for episode in finished:
             self._forget(episode)
