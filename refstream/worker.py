@@ -18,7 +18,7 @@ cross to the training process as handles and are written again once that process
 from __future__ import annotations
 
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,7 +69,7 @@ class _Group:
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
     leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
     anchors: list[tuple[int, int]] = field(default_factory=list)
-    values: dict[str, list] = field(default_factory=dict)  # key -> one value per sample
+    values: dict[str, list] = field(default_factory=lambda: defaultdict(list))  # key -> values
     requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
     done: int = 0  # anchors gathered and decoded
 
@@ -255,19 +255,17 @@ class WorkerStream:
         """The row values, pad masks, task and frame requests of one anchor."""
         episode, frame = made.anchors[slot]
         columns, videos = self.payloads[episode].result()
-        length = self.ds._frames_of[episode]
-        add = made.values.setdefault
         for key in self.columns + self.cameras:
             rows = frame
             if key in self.offsets:
-                rows, pad = window_rows(self.offsets[key], frame, length)
-                add(f"{key}_is_pad", []).append(pad)
+                rows, pad = window_rows(self.offsets[key], frame, self.ds._frames_of[episode])
+                made.values[f"{key}_is_pad"].append(pad)
             if key in columns:
-                add(key, []).append(columns[key][rows])
+                made.values[key].append(columns[key][rows])
             else:
                 pts = videos[key].serving_pts[np.atleast_1d(rows)]
                 made.requests.append((slot, episode, key, videos[key], pts))
-        add("task", []).append(self.meta.tasks[int(columns["task_index"][frame])])
+        made.values["task"].append(self.meta.tasks[int(columns["task_index"][frame])])
 
     def _decode_part(self, made: _Group, thread: int) -> None:
         """Decode the group's requests that go to the decoders of ``thread``."""
