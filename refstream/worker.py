@@ -136,12 +136,9 @@ class WorkerStream:
         self.ds, self.meta = dataset, dataset.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
         self.offsets = dataset.windows
-        self.keys = []  # a sample's keys, in the order of LeRobot's items
-        for key in self.columns:
-            self.keys += [key, f"{key}_is_pad"] if key in self.offsets else [key]
-        for camera in self.cameras:
-            self.keys += [f"{camera}_is_pad", camera] if camera in self.offsets else [camera]
-        self.keys.append("task")
+        # A sample's keys in the order of LeRobot's items: cameras, columns, pad masks, task.
+        self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.offsets),
+                     "task"]
         self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
         self.source = open_source(dataset.worker_root)
         self.footers = Footers()
