@@ -270,19 +270,15 @@ class StreamingDataset(IterableDataset):
         episodes = set(course.share(self.rank, logical, ordinary))
         for later in range(epoch, ordinary):  # the rest of epochs in progress
             episodes.update(course.share(self.rank, logical, later))
-        stream = WorkerStream(self, sorted(episodes), limits)
 
         def runs():  # (planner, offset, stop) of each epoch the worker plays
             for at in itertools.count(epoch) if self.repeat else [epoch]:
-                planner = self._planner(course, logical, at, stream.byte_sizes,
-                                        limits.byte_budget)
+                planner = self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget)
                 yield planner, offset if at == epoch else 0, positions.stops[logical]
 
-        try:
+        with contextlib.closing(WorkerStream(self, sorted(episodes), limits)) as stream:
             yield from stream.stream(runs(), self.batch_size if self.batched
                                      else self.decoded_queue_size, self.batched, info is not None)
-        finally:
-            stream.close()
 
     def _planner(self, course: resume.Course, logical: int, epoch: int,
                  byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
