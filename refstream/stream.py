@@ -286,11 +286,10 @@ class StreamingDataset(IterableDataset):
             return course.planner(self.rank, logical, epoch, byte_sizes)
         except EpisodeTooLarge as exc:
             workers, need = course.setup.num_workers, max(byte_sizes.values())
-            raise EpisodeTooLarge(
-                f"{exc}: each of the {workers} DataLoader worker(s) gets byte_budget_gb="
-                f"{self.byte_budget / GIB:.4g} / {workers} = {worker_budget:,} bytes; raise "
-                f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"
-            ) from exc
+            raise EpisodeTooLarge(f"{exc}: each of the {workers} DataLoader worker(s) gets "
+                                  f"byte_budget_gb={self.byte_budget / GIB:.4g} / {workers} = "
+                                  f"{worker_budget:,} bytes; raise byte_budget_gb to at least "
+                                  f"{need * workers / GIB:.4g} or use fewer workers") from exc
 
 
 # --- helpers ----------------------------------------------------------------------------------
