@@ -129,6 +129,16 @@ class SharedBuffers:
         return tensor, (self.flags, cell)
 
 
+def plan_spans(dataset, episodes: Sequence[int],
+               index: Mapping[str, SampleIndex]) -> tuple[dict[int, dict], dict[int, int]]:
+    """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
+    exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
+    spans = {e: synth.episode_spans(dataset.meta, e, index, dataset.tolerance_s)
+             for e in episodes}
+    return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
+                   for e in episodes}
+
+
 class WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
 
@@ -398,13 +408,3 @@ def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
     array = np.asarray(values)
     dtype = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}.get(array.dtype.kind)
     return array.tolist() if dtype is None else torch.from_numpy(array.astype(dtype))
-
-
-def plan_spans(dataset, episodes: Sequence[int], index: Mapping[str, SampleIndex]
-               ) -> tuple[dict[int, dict[str, tuple[SampleIndex, synth.Span]]], dict[int, int]]:
-    """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
-    exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
-    spans = {e: synth.episode_spans(dataset.meta, e, index, dataset.tolerance_s)
-             for e in episodes}
-    return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
-                   for e in episodes}
