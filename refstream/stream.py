@@ -177,9 +177,8 @@ class StreamingDataset(IterableDataset):
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.share(self.rank, w, 0))
                      for w in range(workers)]
-        if not self.batched:
-            return sum(stops)
-        return sum(-(-stop // self.batch_size) for stop in stops)
+        per_item = self.batch_size if self.batched else 1  # samples per yielded item
+        return sum(-(-stop // per_item) for stop in stops)
 
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
