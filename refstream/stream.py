@@ -221,8 +221,7 @@ class StreamingDataset(IterableDataset):
             self.seed = parsed.setup.seed
         workers = parsed.setup.num_workers if num_workers is None else max(1, num_workers)
         resumed = parsed.resume_with(self._setup(self.batch_size, workers))
-        self._history = resumed.history
-        self._delivered = None
+        self._history, self._delivered = resumed.history, None
         if resumed.history:
             _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
