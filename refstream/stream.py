@@ -302,12 +302,11 @@ def _digest(history: tuple[resume.Segment, ...]) -> int:
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Arguments, else as SPEC §9.5 says."""
-    if rank is None or world_size is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            found = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        else:
-            found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        rank = found[0] if rank is None else rank
-        world_size = found[1] if world_size is None else world_size
-    return rank, world_size  # shard.rank_share checks them
+    """Arguments, else as SPEC §9.5 says (shard.rank_share checks them)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        found = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
