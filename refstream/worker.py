@@ -218,17 +218,16 @@ class WorkerStream:
         for self.planner, offset, stop in runs:
             self.planner.skip(offset)
             self.planner.drain_events()
-            remaining = self.planner.remaining if stop is None else max(0, stop - offset)
+            anchors = self.planner.remaining if stop is None else max(0, stop - offset)
             to_admit = deque(self.planner.resident)
             self._prefetch()
-            while remaining:
+            for _ in range(anchors):
                 while to_admit:
                     if self._admit(to_admit[0], wait=not any(self.in_flight.values())):
                         to_admit.popleft()
                     else:
                         yield None
                 episode, frame = next(self.planner)
-                remaining -= 1
                 admitted, evicted = self.planner.drain_events()
                 to_admit.extend(admitted)
                 self.drained.update(evicted)
