@@ -155,27 +155,26 @@ class WorkerStream:
         threads = dataset.decode_threads  # each with its own decoders; the yielding one too
         self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
                          for _ in range(threads)]
-        self.fetch_pool = self.decode_pool = None
+        self.fetch_pool = ThreadPoolExecutor(  # threads start when used
+            max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
+            thread_name_prefix="refstream-fetch")
+        self.decode_pool = ThreadPoolExecutor(max(1, threads - 1),
+                                              thread_name_prefix="refstream-decode")
         self.budget, self.buffers = ByteBudget(limits.byte_budget or 1), SharedBuffers()
         self.payloads: dict[int, Future[tuple[dict, dict[str, _Video]]]] = {}  # see _fetch
         self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         self.index = MappedIndex(dataset.video_index)
+        if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
+            for relpath, record in dataset.video_index.records.items():
+                if record.identity:
+                    self.source.expect_identity(relpath, record.identity)
         try:
-            if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
-                for relpath, record in dataset.video_index.records.items():
-                    if record.identity:
-                        self.source.expect_identity(relpath, record.identity)
             # Without cameras an episode weighs nothing, and one path reserves, fetches and frees.
             self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
             self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
                                 for camera, (index, _) in self.spans[share[0]].items()}
-            self.fetch_pool = ThreadPoolExecutor(
-                max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
-                thread_name_prefix="refstream-fetch")
-            self.decode_pool = ThreadPoolExecutor(max(1, threads - 1),  # started when used
-                                                  thread_name_prefix="refstream-decode")
         except BaseException:
             self.close()
             raise
@@ -393,8 +392,7 @@ class WorkerStream:
     def close(self) -> None:
         self.budget.close()
         for pool in (self.fetch_pool, self.decode_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
         self.payloads.clear()
         for decoders in self.decoders:
             decoders.close()
