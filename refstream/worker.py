@@ -17,6 +17,7 @@ cross to the training process as handles and are written again once that process
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -289,9 +290,8 @@ class WorkerStream:
         if self.ds.image_transforms is not None:
             for camera in self.cameras:
                 values[camera] = list(values[camera])
-            for i in range(count):
-                for camera in self.cameras:
-                    values[camera][i] = self.ds.image_transforms(values[camera][i])
+            for i, camera in itertools.product(range(count), self.cameras):  # LeRobot's call order
+                values[camera][i] = self.ds.image_transforms(values[camera][i])
         if not batched:
             for i in range(count):
                 yield {key: values[key][i] for key in self.keys}
