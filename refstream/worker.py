@@ -1,18 +1,14 @@
 """One DataLoader worker's stream: its share's samples, or ready batches, in planner order
 (SPEC §9.2, §9.3). ``StreamingDataset`` runs, in each worker::
 
-    worker = WorkerStream(dataset, share, limits)   # plans spans and byte sizes
-    try:
+    with contextlib.closing(WorkerStream(dataset, share, limits)) as worker:  # plans spans
         yield from worker.stream(runs, group=B, batched=True, in_worker=True)
-    finally:
-        worker.close()
 
-``runs`` gives ``(planner, offset, stop)`` per epoch. An admitted episode is reserved whole and
-fetched by a fetch thread (rows; per camera one byte range made a mini-MP4, and the frame serving
-each row). Samples are made ``group`` at a time, their frames decoded by the decode threads into
-the group's tensors. With ``batched`` a group is one :class:`Batch` (the DataLoader's default
-collation of its samples) whose camera tensors are shared memory (:class:`SharedBuffers`): they
-cross to the training process as handles and are written again once that process dropped them.
+``runs`` gives ``(planner, offset, stop)`` per epoch. Fetch threads fetch each admitted episode:
+its rows and, per camera, its span made a mini-MP4 and the frame serving each row. Samples are
+made ``group`` at a time, their frames decoded by the decode threads into the group's tensors.
+A ready :class:`Batch`'s camera tensors are shared memory (:class:`SharedBuffers`): they cross
+to the training process as handles and are written again once that process dropped them.
 """
 
 from __future__ import annotations
