@@ -16,9 +16,8 @@ equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its 
 order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
 B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` before
 ``iter(loader)`` continues from it, also with another world size, worker count or batch size.
-The rank is found as SPEC §9.5 says; with ``world_size > 1`` and no ``repeat`` every rank stops
-after the same number of batches. ``__init__`` (the main process) reads the metadata and makes
-sure the sidecar index exists; the position lives in shared memory, so persistent workers see it.
+Distributed runs: SPEC §9.5. ``__init__`` (the main process) reads the metadata and makes sure
+the sidecar index exists; the position lives in shared memory, so persistent workers see it.
 """
 
 
