@@ -76,31 +76,17 @@ class StreamingDataset(IterableDataset):
     the wait for another process building the video index (SPEC §10.6).
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        *,
-        episodes: Sequence[int] | None = None,
-        delta_timestamps: Mapping[str, Sequence[float]] | None = None,
-        tolerance_s: float = 1e-4,
-        seed: int | None = None,
-        sampling_strategy: str = "pool",
-        episode_pool_size: int | None = None,
-        prefetch_episodes: int = 8,
-        byte_budget_gb: float = 8.0,
-        decode_threads: int = 2,
-        decoded_queue_size: int = 8,
-        video_decoder_cache_size: int | None = None,
-        return_uint8: bool = False,
-        image_transforms: Callable | None = None,
-        repeat: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        batch_size: int | None = None,
-        batched: bool = False,
-        num_workers: int | None = None,
-        sidecar_lock_timeout_s: float | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, *, episodes: Sequence[int] | None = None,
+                 delta_timestamps: Mapping[str, Sequence[float]] | None = None,
+                 tolerance_s: float = 1e-4, seed: int | None = None,
+                 sampling_strategy: str = "pool", episode_pool_size: int | None = None,
+                 prefetch_episodes: int = 8, byte_budget_gb: float = 8.0, decode_threads: int = 2,
+                 decoded_queue_size: int = 8, video_decoder_cache_size: int | None = None,
+                 return_uint8: bool = False, image_transforms: Callable | None = None,
+                 repeat: bool = False, rank: int | None = None, world_size: int | None = None,
+                 batch_size: int | None = None, batched: bool = False,
+                 num_workers: int | None = None,
+                 sidecar_lock_timeout_s: float | None = None) -> None:
         super().__init__()
         if sampling_strategy not in STRATEGIES:
             raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got "
