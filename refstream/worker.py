@@ -338,9 +338,8 @@ class WorkerStream:
 
     def _discard(self, episode: int) -> None:
         self.payloads.pop(episode, None)
-        for camera in self.cameras:
-            for decoders in self.decoders:
-                decoders.discard((episode, camera))
+        for decoders, camera in itertools.product(self.decoders, self.cameras):
+            decoders.discard((episode, camera))
 
     # --- fetch threads ------------------------------------------------------------------------
 
