@@ -202,25 +202,18 @@ class ByteBudget:
             raise EpisodeTooLarge(f"episode {episode}: {size_bytes} bytes exceed the byte budget "
                                   f"of {self.budget_bytes} bytes")
         shortfall = self._reserved_locked() + size_bytes - self.budget_bytes
+        victims: list[int] = []
+        for victim, other in self._table.items():  # LRU first, the evictable until it fits
+            if shortfall <= 0:
+                break
+            if other.leases == 0 and other.fetched:
+                victims.append(victim)
+                shortfall -= other.size_bytes
         if shortfall > 0:
-            victims = self._victims_locked(shortfall)
-            if victims is None:
-                return False
-            for victim in victims:
-                del self._table[victim]
-                self._evicted.append(victim)
+            return False
+        for victim in victims:
+            del self._table[victim]
+        self._evicted += victims
         self._table[episode] = _Reservation(size_bytes)
         self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_locked())
         return True
-
-    def _victims_locked(self, shortfall: int) -> list[int] | None:
-        """The LRU-first evictable episodes that free ``shortfall`` bytes, or None if impossible."""
-        victims: list[int] = []
-        freed = 0
-        for episode, entry in self._table.items():
-            if freed >= shortfall:
-                break
-            if entry.leases == 0 and entry.fetched:
-                victims.append(episode)
-                freed += entry.size_bytes
-        return victims if freed >= shortfall else None
