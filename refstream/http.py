@@ -58,7 +58,6 @@ RETRY_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5  # the Hub needs 1 (resolve -> CDN); more hops mean a loop
 _CHUNK_BYTES = 1 << 16  # socket read granularity for response bodies
-_DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "٣"
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
 _T = TypeVar("_T")
 
@@ -169,7 +168,7 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 
 def _decimal(text: str | None) -> int | None:
     """``text`` as an integer when it is a decimal (ASCII digits, SPEC §8.2), else None."""
-    return int(text) if text and _DECIMAL.fullmatch(text) else None
+    return int(text) if text and text.isascii() and text.isdigit() else None
 
 
 def _bad_content_range(headers, where: str) -> BadRangeResponse:
