@@ -56,10 +56,9 @@ class HfRoot:
 
     def base_url(self, endpoint: str, commit: str | None) -> str:
         """The URL that relative paths are appended to (``commit`` for datasets only)."""
-        suffix = f"/{quote(self.prefix, safe='/')}" if self.prefix else ""
-        if self.kind == "buckets":
-            return f"{endpoint}/buckets/{self.owner}/{self.name}/resolve{suffix}"
-        return f"{endpoint}/datasets/{self.owner}/{self.name}/resolve/{commit}{suffix}"
+        pinned = f"/{commit}" if self.kind == "datasets" else ""
+        prefix = f"/{quote(self.prefix, safe='/')}" if self.prefix else ""
+        return f"{endpoint}/{self.kind}/{self.owner}/{self.name}/resolve{pinned}{prefix}"
 
 
 def parse_hf_root(root: str) -> HfRoot:
