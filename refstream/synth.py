@@ -141,13 +141,11 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
 
 def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
     """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
-    end = sample + 1
-    while end > 0:
+    for end in range(sample + 1, 0, -SCAN_SAMPLES):
         begin = max(0, end - SCAN_SAMPLES)
         found = np.flatnonzero(index.keyframe[begin:end] & (index.pts[begin:end] <= pts))
         if len(found):
             return begin + int(found[-1])
-        end = begin
     raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
                         f" or before pts {pts}")
 
