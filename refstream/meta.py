@@ -427,9 +427,7 @@ def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, in
 def _read_tasks(source: Source, info: dict) -> list[str]:
     """Task strings by task_index (SPEC §4.4)."""
     table = read_parquet(source, TASKS_PATH, ["task_index", "task"])
-    task_type = table["task"].type
-    if table["task"].null_count or not (pa.types.is_string(task_type)
-                                        or pa.types.is_large_string(task_type)):
+    if table["task"].null_count or table["task"].type not in (pa.string(), pa.large_string()):
         raise MalformedDataset(f"{TASKS_PATH}: column 'task' must hold strings without nulls")
     index = index_column(table, "task_index", TASKS_PATH)
     if sorted(index.tolist()) != list(range(len(index))):
