@@ -54,11 +54,10 @@ def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) 
     found: dict[int, Stats] = {}
     first = 0
     for relpath, count in meta.episodes_files:
-        wanted = [row - first for row in rows if first <= row < first + count]
+        wanted = [row for row in rows if first <= row < first + count]
         if wanted:
-            table = read_parquet(source, relpath).take(wanted)
-            found.update(zip((first + w for w in wanted), episode_stats(table, relpath),
-                             strict=True))
+            table = read_parquet(source, relpath).take([row - first for row in wanted])
+            found.update(zip(wanted, episode_stats(table, relpath), strict=True))
         first += count
     return aggregate_stats([found[row] for row in rows])
 
