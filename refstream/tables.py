@@ -6,11 +6,8 @@ Use::
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers,
                               first_index=meta.from_index[row])     # checks the index column
 
-The table has exactly ``columns`` (asked order, duplicates dropped) and ``expected_rows`` rows
-whose ``frame_index`` counts from 0 (and ``index`` from ``first_index``); values keep their Arrow
-types (``refstream.meta.column_array`` converts). Only the footer (one ``read_tail``) and the
-row groups :func:`candidate_row_groups` keeps travel. Failures are :class:`TableError` naming
-the file and episode; fetch errors pass through.
+The table is SPEC §8.5's answer, its values in their Arrow types (``refstream.meta.column_array``
+converts them); given ``first_index``, the ``index`` column must also count from it.
 """
 
 from __future__ import annotations
