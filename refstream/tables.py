@@ -37,9 +37,8 @@ FOOTER_TAIL_BYTES = 64 * 1024
 
 
 class Footers:
-    """Each data file's size, tail (at most 64 KiB) and Parquet footer, read once (one
-    ``read_tail``) and reused for every episode in it. Threads share it: a file's footer is read
-    under that file's lock, so only the threads that need the same file wait."""
+    """Each data file's size, tail and Parquet footer, read once (SPEC §8.5 step 1) and reused
+    for every episode in it; threads share it, and only those needing the same file wait."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, bytes, pq.FileMetaData]] = {}
