@@ -152,9 +152,8 @@ class DatasetMeta:
 
 def load_meta(source: Source) -> DatasetMeta:
     """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
-    info = _read_info(source)
+    info, cameras = _read_info(source)
     features = info["features"]
-    cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
     columns, episodes_files = _read_episodes(source, info, cameras)
     per_camera = {
         field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
@@ -197,8 +196,8 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
 # --- info.json ---------------------------------------------------------------------------------
 
 
-def _read_info(source: Source) -> dict:
-    """The ``info.json`` object, after the checks of SPEC §4.2 in their order."""
+def _read_info(source: Source) -> tuple[dict, list[str]]:
+    """The ``info.json`` object and its camera keys, after SPEC §4.2's checks in their order."""
     try:
         info = json.loads(source.read_bytes(INFO_PATH))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -222,12 +221,12 @@ def _read_info(source: Source) -> dict:
             raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (images "
                                      "stored inside Parquet); refstream streams only cameras "
                                      "stored as videos")
-    has_cameras = any(feature["dtype"] == "video" for feature in features.values())
+    cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
     _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
-    if has_cameras or info.get("video_path") is not None:
+    if cameras or info.get("video_path") is not None:
         _check_template(info.get("video_path"), "video_path", VIDEO_FIELDS)
     info.setdefault("video_path", None)
-    return info
+    return info, cameras
 
 
 def _check_version(info: dict) -> None:
