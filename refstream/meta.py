@@ -390,8 +390,8 @@ def _check_episodes(meta: DatasetMeta) -> None:
                                f"{INFO_PATH} total_frames is {meta.total_frames}")
     for key in meta.camera_keys:
         start, end = meta.video_from_s[key], meta.video_to_s[key]
-        ok = np.isfinite(start) & np.isfinite(end) & (start >= 0) & (end >= start)
-        bad = np.flatnonzero(~ok)
+        # 0 <= start <= end leaves start finite unless end is infinite.
+        bad = np.flatnonzero(~((start >= 0) & (end >= start) & np.isfinite(end)))
         if len(bad):
             i = int(bad[0])
             raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: videos/{key} "
