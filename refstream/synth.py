@@ -254,9 +254,9 @@ def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int
         moov += 16 + 4 * len(layout.sync)
     mdat_header = 16 if span.byte_length + 8 > UINT32_MAX else 8
     before_payload = len(index.ftyp or DEFAULT_FTYP) + moov + 4 * samples + mdat_header
-    if before_payload + int(layout.relative.max()) > UINT32_MAX:
-        return 8, moov + 8 * samples, mdat_header  # co64 only makes the header longer
-    return 4, moov + 4 * samples, mdat_header
+    # co64 only makes the header longer, so one switch settles the width.
+    width = 8 if before_payload + int(layout.relative.max()) > UINT32_MAX else 4
+    return width, moov + width * samples, mdat_header
 
 
 def synthesized_size(index: SampleIndex, span: Span) -> int:
