@@ -50,7 +50,8 @@ class Planner:
                         if r > 0}  # the whole episode: its keyed frame order
         self._rest = {int(e): r for e, r in zip(episodes, rest, strict=True) if r > 0}
         self._sizes = _check_budget(episodes, rest, byte_sizes, byte_budget)
-        self._budget = byte_budget
+        self._budget = 0 if byte_budget is None else byte_budget  # without one, every size is 0
+        self._used = 0  # bytes of the residents
         self._pool_size = pool_size
         self._strategy = strategy
         admission = permutation(derive_key(seed, epoch, "admit"), list(self._frames))
@@ -138,23 +139,20 @@ class Planner:
         self._left[episode] -= 1
         if not self._left[episode]:
             del self._left[episode]
+            self._used -= self._sizes[episode]
             self._orders.pop(episode, None)
             self._evicted_events.append(episode)
             self._admit()
 
     def _admit(self) -> None:
         """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
-        pending, sizes = self._pending, self._sizes
-        while len(self._left) < self._pool_size and pending:
-            if sizes is None:
-                episode = pending.popleft()
-            else:
-                room = self._budget - sum(sizes[e] for e in self._left)
-                place = next((i for i, e in enumerate(pending) if sizes[e] <= room), None)
-                if place is None:
-                    return  # wait for an eviction to free bytes
-                episode = pending[place]
-                del pending[place]
+        while len(self._left) < self._pool_size and self._pending:
+            room = self._budget - self._used
+            episode = next((e for e in self._pending if self._sizes[e] <= room), None)
+            if episode is None:
+                return  # wait for an eviction to free bytes
+            self._pending.remove(episode)
+            self._used += self._sizes[episode]
             self._left[episode] = self._rest[episode]
             self._admitted_events.append(episode)
 
@@ -178,10 +176,10 @@ def _rest(episodes, frames, delivered) -> list[int]:
     return [int(f) - int(d) for f, d in zip(frames, delivered, strict=True)]
 
 
-def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int] | None:
-    """Each episode's byte size, None without a budget; EpisodeTooLarge per SPEC §3.1."""
+def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int]:
+    """Each episode's byte size, 0 without a budget; EpisodeTooLarge per SPEC §3.1."""
     if byte_sizes is None and byte_budget is None:
-        return None
+        return dict.fromkeys(map(int, episodes), 0)
     if byte_sizes is None or byte_budget is None:
         raise UsageError("byte_sizes and byte_budget go together: give both or neither")
     check_at_least(1, byte_budget=byte_budget)
