@@ -44,7 +44,11 @@ class Planner:
                  byte_sizes: Sequence[int] | None = None, byte_budget: int | None = None,
                  delivered: Sequence[int] | None = None) -> None:
         seed = resolve_seed(seed)
-        _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size)
+        check_episodes(episodes, frames)
+        check_at_least(0, epoch=epoch, rank=rank, worker=worker)
+        check_at_least(1, pool_size=pool_size)
+        if strategy not in STRATEGIES:
+            raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         rest = _rest(episodes, frames, delivered)
         self._frames = {int(e): int(f) for e, f, r in zip(episodes, frames, rest, strict=True)
                         if r > 0}  # the whole episode: its keyed frame order
@@ -155,14 +159,6 @@ class Planner:
             self._used += self._sizes[episode]
             self._left[episode] = self._rest[episode]
             self._admitted_events.append(episode)
-
-
-def _check_inputs(episodes, frames, epoch, rank, worker, strategy, pool_size) -> None:
-    check_episodes(episodes, frames)
-    check_at_least(0, epoch=epoch, rank=rank, worker=worker)
-    check_at_least(1, pool_size=pool_size)
-    if strategy not in STRATEGIES:
-        raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 
 def _rest(episodes, frames, delivered) -> list[int]:
