@@ -62,19 +62,15 @@ def label_words(label: int | str) -> list[int]:
 
 
 def resolve_seed(seed: int | None) -> int:
-    """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2)."""
-    return DEFAULT_SEED if seed is None else _checked_seed(seed)
+    """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2); UsageError for a bad seed."""
+    return DEFAULT_SEED if seed is None else derive_key(seed)  # no labels: the seed itself
 
 
 def derive_key(seed: int, *labels: int | str) -> int:
     """The key of ``labels`` under ``seed`` (SPEC §1.2); UsageError for a bad seed or label."""
-    return extend_key(_checked_seed(seed), *labels)
-
-
-def _checked_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK64:
         raise UsageError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return seed
+    return extend_key(seed, *labels)
 
 
 def extend_key(key: int, *labels: int | str) -> int:
