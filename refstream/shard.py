@@ -9,7 +9,6 @@ Use::
 Both shares are parts of :func:`lpt_partition` (SPEC §2.1); :func:`split_limits` gives one
 worker's :class:`WorkerLimits` (SPEC §2.3). :func:`episode_ids` and :func:`check_episodes` are the
 one check of episode ids (and per-episode counts) that selection, sharding and the planner all call.
-A part lists its episodes in sharding order, which carries no meaning (planners reorder them).
 """
 
 from __future__ import annotations
