@@ -248,16 +248,13 @@ def _sample_entry(m: _Moov, stsd: Box) -> tuple[str, int, int]:
     return fourcc.decode("latin-1"), width, height
 
 
-def _runs(m: _Moov, box: Box, n: int, signed: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(counts, values) of an stts (u32, u32) or ctts (u32, s32) table of ``n`` samples."""
+def _runs(m: _Moov, box: Box, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, values) of an stts or ctts table of ``n`` samples, both read as u32."""
     (count,) = m.unpack(box, 4, ">I", "entry_count")
     rows = m.table(box, 8, count, ">u4", 2, "entry_count")
     if int(rows[:, 0].sum()) != n:
         raise m.bad(box, f"describes {int(rows[:, 0].sum())} samples, stsz has {n}")
-    values = rows[:, 1]
-    if signed:
-        values = values.astype(np.uint32).view(np.int32).astype(np.int64)
-    return rows[:, 0], values
+    return rows[:, 0], rows[:, 1]
 
 
 def _sizes(m: _Moov, stbl: Box, file_size: int) -> np.ndarray:
@@ -371,7 +368,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
                 movie_timescale: int, keyframe: np.ndarray):
     """(dts, pts, duration) int64 arrays in the media timescale (SPEC §6.4–6.5)."""
     stts = m.child(stbl, "stts")
-    counts, deltas = _runs(m, stts, n, signed=False)
+    counts, deltas = _runs(m, stts, n)
     duration = np.repeat(deltas, counts)
     decode = np.cumsum(duration) - duration
 
@@ -379,7 +376,8 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
     offset = np.zeros(n, dtype=np.int64)
     shift = 0
     if ctts is not None:
-        counts, values = _runs(m, ctts, n, signed=True)  # signed in version 0 too
+        counts, values = _runs(m, ctts, n)
+        values = values.astype(np.uint32).view(np.int32).astype(np.int64)  # s32 in version 0 too
         if np.any(counts == 0):
             raise m.bad(ctts, "an entry has sample_count 0", UnsupportedMp4)
         head = values[:-2]  # FFmpeg ignores the last two entries for these two rules
