@@ -312,11 +312,10 @@ def _offsets(m: _Moov, stbl: Box, sizes: np.ndarray) -> np.ndarray:
     if placed != len(sizes):
         raise m.bad(stsc, f"places {placed} samples in {chunk_count} chunks but the sample size"
                     f" table has {len(sizes)}")
-    chunk_of_sample = np.repeat(np.arange(chunk_count), samples_per_chunk)
     first_of_chunk = np.cumsum(samples_per_chunk) - samples_per_chunk
     before = np.cumsum(sizes) - sizes  # bytes of earlier samples, from the first sample
-    within_chunk = before - before[first_of_chunk][chunk_of_sample]
-    return chunk_offset[chunk_of_sample] + within_chunk
+    # A sample lies at its chunk's offset plus the bytes before it since the chunk's first sample.
+    return np.repeat(chunk_offset - before[first_of_chunk], samples_per_chunk) + before
 
 
 def _keyframes(m: _Moov, stbl: Box, n: int) -> np.ndarray:
