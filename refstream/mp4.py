@@ -399,11 +399,10 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
 def _check_edit_keeps_all(m, presentation, duration, keyframe, start, length, has_ctts) -> None:
     """UnsupportedMp4 unless the edit keeps every sample (SPEC §6.5 rules 1–3)."""
     where = f"{m.path}: the edit list (media_time {start}, duration {length} media ticks)"
-    outside = (presentation < start) | (presentation >= start + length)
-    if np.any(outside):
-        first = int(np.argmax(outside))
-        raise UnsupportedMp4(f"{where} leaves sample {first} (pts {presentation[first]})"
-                             " outside the edit")
+    outside = np.flatnonzero((presentation < start) | (presentation >= start + length))
+    if len(outside):
+        raise UnsupportedMp4(f"{where} leaves sample {outside[0]} (pts "
+                             f"{presentation[outside[0]]}) outside the edit")
     later_key = np.flatnonzero(keyframe[1:] & (presentation[1:] <= start)) + 1
     if len(later_key):
         raise UnsupportedMp4(f"{where} starts at keyframe {later_key[0]}, not at sample 0")
