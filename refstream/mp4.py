@@ -203,11 +203,10 @@ class _Moov:
     def table(self, box: Box, at: int, count: int, dtype: str, columns: int,
               field: str) -> np.ndarray:
         """``count`` rows of ``columns`` big-endian ``dtype`` values at payload offset ``at``."""
-        item = np.dtype(dtype).itemsize
+        needed = count * columns * np.dtype(dtype).itemsize
         room = box.size - box.header_size - at
-        if count * columns * item > room:
-            raise self.bad(box, f"{field} {count} needs {count * columns * item} bytes but the box"
-                           f" holds {max(room, 0)}")
+        if needed > room:
+            raise self.bad(box, f"{field} {count} needs {needed} bytes but the box holds {room}")
         start = box.payload_offset - self.box.offset + at
         rows = np.frombuffer(self.data, dtype, count * columns, start).astype(np.int64)
         return rows.reshape(count, columns)
