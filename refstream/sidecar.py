@@ -329,11 +329,10 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
             members = set(archive.namelist())
             for relpath, record in wanted.items():
                 name = Path(record.path).name
-                if name not in members:
-                    continue
-                with archive.open(name) as member:  # copied in pieces, never held whole
-                    _install_record(relpath, record, lambda f: shutil.copyfileobj(member, f))
-                taken += 1
+                if name in members:
+                    with archive.open(name) as member:  # copied in pieces, never held whole
+                        _install_record(relpath, record, lambda f: shutil.copyfileobj(member, f))
+                    taken += 1
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
     log.info("%s held records for %d of the %d files without one (records of other contents "
