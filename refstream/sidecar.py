@@ -219,11 +219,10 @@ def _parse_record(array, size: int, identity: str, relpath: str) -> SampleIndex:
         arrays[name] = array[name][0]
         arrays[name].flags.writeable = False
     for name, value in constants.items():
-        flag = name == "keyframe"
-        valid = type(value) is bool if flag else type(value) is int and -(2**63) <= value < 2**63
-        if not valid:
+        kind = bool if name == "keyframe" else int
+        if type(value) is not kind or not -(2**63) <= value < 2**63:
             raise ValueError(f"constant {name} {value!r}")
-        arrays[name] = np.broadcast_to(np.array(value, bool if flag else np.int64), (count,))
+        arrays[name] = np.broadcast_to(np.array(value, np.int64 if kind is int else bool), (count,))
     return SampleIndex(path=relpath, file_size=size, ftyp=bytes.fromhex(meta["ftyp"]),
                        stsd=bytes.fromhex(meta["stsd"]),
                        **{name: meta[name] for name in SCALAR_FIELDS}, **arrays)
