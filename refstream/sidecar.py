@@ -1,18 +1,16 @@
 """The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk so that
-training starts without reading a ``moov`` again (SPEC §10). A *record* is named by the file's
-size and content (:func:`record_name`): every root, revision and copy of the video shares it.
-Use::
+training starts without reading a ``moov`` again (SPEC §10), in one *record* per size and content
+(:func:`record_name`). Use::
 
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say, in
-``$REFSTREAM_CACHE/index/``. :class:`MappedIndex` gives read-only ``SampleIndex`` objects whose
-arrays are views of the shared, mapped records in their stored dtypes: a consumer widens the
-slice it computes on (``pts − dts`` must not wrap). The ``refstream.sidecar`` logger says at INFO
-where the index came from; a build running longer than :data:`PROGRESS_AFTER_S` shows its
-progress on a terminal's stderr.
+:func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say. :class:`MappedIndex`
+gives read-only ``SampleIndex`` objects whose arrays are views of the shared, mapped records in
+their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must not wrap).
+The ``refstream.sidecar`` logger says at INFO where the index came from; a build running longer
+than :data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
 """
 
 from __future__ import annotations
