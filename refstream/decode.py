@@ -11,10 +11,9 @@ Use::
     cache.decoder((3, "top"), mp4_bytes, span.start_pts).frames(pts_ticks[chosen])
 
 Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
-video's local time 0. A decoder decodes exactly the frames asked (any order, repeats allowed),
-converting each into its place as ``uint8`` or ``float32`` RGB (SPEC §10.8 Output). The only
-module that imports PyAV: its errors become :class:`DecodeError`, cause chained; a time no
-frame serves is :class:`FrameNotFound` naming the episode, camera and time.
+video's local time 0. A decoder converts exactly the frames asked into their places, as
+``uint8`` or ``float32`` RGB (SPEC §10.8). The only module that imports PyAV: its errors become
+:class:`DecodeError`, cause chained; an unserved time is :class:`FrameNotFound` (SPEC §10.8).
 """
 
 from __future__ import annotations
