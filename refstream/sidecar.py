@@ -306,8 +306,7 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
 
 
 def _install_record(relpath: str, record: Record, write: Callable[[BinaryIO], object]) -> None:
-    """Install what ``write`` writes as ``record``'s file once it reads back as the record of
-    ``relpath``."""
+    """:func:`install` for a record: verified before it replaces any (SPEC §10.6)."""
     install(Path(record.path), write,
             lambda path: read_record(path, record.size, record.identity, relpath, verify=True))
 
