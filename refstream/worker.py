@@ -147,6 +147,12 @@ class WorkerStream:
         self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.offsets),
                      "task"]
         self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
+        # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
+        # nothing, and one path reserves, fetches and frees.
+        self.index = MappedIndex(dataset.video_index)
+        self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
+        self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
+                            for camera, (index, _) in self.spans[share[0]].items()}
         self.source = open_source(dataset.worker_root)
         self.footers = Footers()
         threads = dataset.decode_threads  # each with its own decoders; the yielding one too
@@ -162,19 +168,10 @@ class WorkerStream:
         self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
-        self.index = MappedIndex(dataset.video_index)
         if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
             for relpath, record in dataset.video_index.records.items():
                 if record.identity:
                     self.source.expect_identity(relpath, record.identity)
-        try:
-            # Without cameras an episode weighs nothing, and one path reserves, fetches and frees.
-            self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
-            self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
-                                for camera, (index, _) in self.spans[share[0]].items()}
-        except BaseException:
-            self.close()
-            raise
 
     # --- the loop -----------------------------------------------------------------------------
 
