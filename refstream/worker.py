@@ -233,16 +233,15 @@ class WorkerStream:
     def _decode(self, made: _Group) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
         own decoders), then free the episodes they finish."""
-        for slot in range(made.done, len(made.anchors)):
+        for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
             self._gather(made, slot)
+            self.in_flight[episode] -= 1
         futures = [self.decode_pool.submit(self._decode_part, made, thread)
                    for thread in range(1, len(self.decoders))]
         self._decode_part(made, 0)
         for future in futures:
             future.result()
         made.requests.clear()
-        for episode, _ in made.anchors[made.done:]:
-            self.in_flight[episode] -= 1
         made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
         for episode in finished:
