@@ -216,10 +216,9 @@ class WorkerStream:
             self._prefetch()
             for _ in range(anchors):
                 while to_admit:
-                    if self._admit(to_admit[0], wait=not any(self.in_flight.values())):
-                        to_admit.popleft()
-                    else:
+                    while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
                         yield None
+                    to_admit.popleft()
                 episode, frame = next(self.planner)
                 admitted, evicted = self.planner.drain_events()
                 to_admit.extend(admitted)
