@@ -292,9 +292,10 @@ class Course:
         i = epoch - self.delivered.first
         return self._open[i] if 0 <= i < len(self._open) else self._ordinary
 
-    def share(self, rank: int, worker: int, epoch: int) -> list[int]:
-        """The episodes logical worker ``worker`` of rank ``rank`` plans in ``epoch``."""
-        return self._epoch(epoch).shares[rank][worker]
+    def episodes_from(self, rank: int, worker: int, epoch: int) -> list[int]:
+        """The episodes logical worker ``worker`` of ``rank`` plans from ``epoch`` on, by id."""
+        plans = [*self._open[max(0, epoch - self.delivered.first):], self._ordinary]
+        return sorted(set().union(*(plan.shares[rank][worker] for plan in plans)))
 
     def positions(self, rank: int, samples: int) -> ResumePositions:
         """Where each logical worker of ``rank`` starts after ``samples`` with this topology."""
@@ -330,7 +331,7 @@ class Course:
         for rank, start in enumerate(starts):
             for worker, (epoch, offset) in enumerate(zip(start.epochs, start.offsets, strict=True)):
                 for done in range(first, epoch):  # whole plans: a repeat worker ran ahead
-                    at = [self._index[e] for e in self.share(rank, worker, done)]
+                    at = [self._index[e] for e in self._epoch(done).shares[rank][worker]]
                     counts[done - first][at] = self._frames[at]
                 if offset:
                     planner = self.planner(rank, worker, epoch, byte_sizes)

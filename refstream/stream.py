@@ -160,7 +160,7 @@ class StreamingDataset(IterableDataset):
                                self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
-            stops = [sum(self._frames_of[e] for e in course.share(self.rank, w, 0))
+            stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
                      for w in range(workers)]
         per_item = self.batch_size if self.batched else 1  # samples per yielded item
         return sum(-(-stop // per_item) for stop in stops)
@@ -249,17 +249,14 @@ class StreamingDataset(IterableDataset):
             num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
-        ordinary = course.delivered.first + len(course.delivered.counts)
-        episodes = set(course.share(self.rank, logical, ordinary))
-        for later in range(epoch, ordinary):  # the rest of epochs in progress
-            episodes.update(course.share(self.rank, logical, later))
+        episodes = course.episodes_from(self.rank, logical, epoch)
 
         def runs():  # (planner, offset, stop) of each epoch the worker plays
             for at in itertools.count(epoch) if self.repeat else [epoch]:
                 planner = self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget)
                 yield planner, offset if at == epoch else 0, positions.stops[logical]
 
-        with contextlib.closing(WorkerStream(self, sorted(episodes), limits)) as stream:
+        with contextlib.closing(WorkerStream(self, episodes, limits)) as stream:
             yield from stream.stream(runs(), self.batch_size if self.batched
                                      else self.decoded_queue_size, self.batched, info is not None)
 
