@@ -191,9 +191,9 @@ class StreamingDataset(IterableDataset):
         base = int(self._position[_SAMPLES])
         state = resume.ResumeState(epoch=int(self._position[_EPOCH]), samples=base + samples,
                                    setup=self._setup(batch_size, max(1, num_workers)),
-                                   history=self._history)
-        resume.ResumeState.from_dict(state.to_dict())  # validates (whole batches, non-negative)
-        return state.to_dict()
+                                   history=self._history).to_dict()
+        resume.ResumeState.from_dict(state)  # validates (whole batches, non-negative)
+        return state
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
         """Start every following iterator where ``state`` left off, with ``num_workers``
