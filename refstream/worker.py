@@ -243,8 +243,11 @@ class WorkerStream:
         made.requests.clear()
         made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
-        for episode in finished:
-            self._forget(episode)
+        for episode in finished:  # drained, its last anchor decoded: free its bytes and decoders
+            self._discard(episode)
+            self.drained.discard(episode)
+            self.budget.release(episode)
+            self.budget.forget(episode)
         if finished:
             self._prefetch()
 
@@ -323,13 +326,6 @@ class WorkerStream:
         """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
         if self.budget.claim_fetch(episode):
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
-
-    def _forget(self, episode: int) -> None:
-        """The episode is drained and its last anchor decoded: free its bytes and decoders."""
-        self._discard(episode)
-        self.drained.discard(episode)
-        self.budget.release(episode)
-        self.budget.forget(episode)
 
     def _discard(self, episode: int) -> None:
         self.payloads.pop(episode, None)
