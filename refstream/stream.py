@@ -126,8 +126,7 @@ class StreamingDataset(IterableDataset):
             self._frames = [self.meta.frames(e) for e in self.episodes]
             self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
                                         feature_keys=self.meta.features)
-            self.rank_episodes = shard.rank_share(self.episodes, self._frames, self.rank,
-                                                  self.world_size)
+            share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
             self.video_index: VideoIndex | None = None
             if self.meta.camera_keys:
                 self.video_index = ensure_index(source, video_relpaths(self.meta),
@@ -141,7 +140,7 @@ class StreamingDataset(IterableDataset):
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
         self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
-        self.rank_frames = sum(self._frames_of[e] for e in self.rank_episodes)
+        self.rank_frames = sum(self._frames_of[e] for e in share)
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
         self._position = torch.zeros(5, dtype=torch.int64).share_memory_()
