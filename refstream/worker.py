@@ -343,7 +343,7 @@ class WorkerStream:
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
-            return rows, self._videos(episode, rows["timestamp"])
+            return rows, (self._videos(episode, rows["timestamp"]) if self.cameras else {})
         except FetchError as exc:
             # The source names the URL and byte range; only here is the episode known.
             raise type(exc)(f"episode {episode}: {exc}") from exc

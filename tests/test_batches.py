@@ -13,6 +13,7 @@ is reused.
 from __future__ import annotations
 
 import gc
+import json
 import pickle
 from itertools import islice
 from multiprocessing.reduction import ForkingPickler
@@ -101,6 +102,18 @@ def test_a_dataset_without_cameras_streams_every_frame_once_both_ways(tmp_path, 
     want = _plain(tmp_path, num_workers, **options)
     assert sorted(int(i) for b in want for i in b["index"]) == list(range(sum(LENGTHS)))
     assert_same_batches(_ready(tmp_path, num_workers, **options), want)
+
+
+def test_a_dataset_without_cameras_needs_no_timestamp_feature(tmp_path):
+    # Timestamps place camera frames; without cameras a dataset need not declare one.
+    write_layout(tmp_path, list(LENGTHS), cameras=())
+    info_path = tmp_path / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    del info["features"]["timestamp"]
+    info_path.write_text(json.dumps(info))
+    got = _plain(tmp_path, 0, seed=3)
+    assert sorted(int(i) for b in got for i in b["index"]) == list(range(sum(LENGTHS)))
+    assert all("timestamp" not in batch for batch in got)
 
 
 def test_ready_batches_cross_the_epoch_boundary_like_the_dataloaders(root):
