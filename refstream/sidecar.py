@@ -420,10 +420,11 @@ def _remove_orphans(folder: Path) -> None:
 
 def _process_alive(pid: int) -> bool:
     try:
-        with contextlib.suppress(PermissionError):  # it exists, owned by someone else
-            os.kill(pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:
+        pass  # it exists, owned by someone else
     return True
 
 
