@@ -34,6 +34,9 @@ from refstream.synth import serving_samples
 __all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
 
 PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
+# PyAV 17 and later scale with a thread per CPU unless told ``threads=1``; earlier releases scale
+# on the calling thread and take no such option.
+_ONE_THREAD = {"threads": 1} if int(av.__version__.split(".")[0]) >= 17 else {}
 
 
 class EpisodeDecoder:
@@ -172,9 +175,9 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
         planar = _planar_is_rgb24(frame.format.name, frame.width, frame.height,
                                   frame.colorspace, frame.color_range)
     if not planar:
-        rgb = scaler.reformat(frame, format="rgb24", threads=1).to_ndarray()
+        rgb = scaler.reformat(frame, format="rgb24", **_ONE_THREAD).to_ndarray()
         return list(rgb.transpose(2, 0, 1))
-    planes = scaler.reformat(frame, format="gbrp", threads=1).planes
+    planes = scaler.reformat(frame, format="gbrp", **_ONE_THREAD).planes
     g, b, r = (np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
                [:, :frame.width] for plane in planes)
     return [r, g, b]
