@@ -408,6 +408,8 @@ def add_doctor(subparsers) -> None:
     p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
+    p.add_argument("--decode", choices=("keyframes", "all"), default="keyframes",
+                   help="decode every keyframe alone, or every frame the rows request")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -424,7 +426,8 @@ def run_doctor(args) -> int:
     else:
         with contextlib.closing(source):
             report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
-                                   progress=False if args.no_progress else None)
+                                   progress=False if args.no_progress else None,
+                                   decode=args.decode)
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 
