@@ -641,8 +641,8 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
     import torch
     from tqdm import tqdm
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
-                                         num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None if dataset.batched else
+                                         batch_size, num_workers=num_workers)
     total = dataset.rank_frames * epochs
     with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
               dynamic_ncols=True) as bar:
