@@ -266,10 +266,14 @@ def test_frame_rate_cases_are_the_rule_in_exact_arithmetic():
     for case in cases:
         c = case["input"]
         pts = sorted(c["pts"][:64])
-        gaps = sorted(Fraction(b - a) for a, b in zip(pts, pts[1:]))
+        gaps = sorted(Fraction(b - a) for a, b in zip(pts[:-1], pts[1:], strict=True))
         middle = len(gaps) // 2
-        spacing = (gaps[middle] if len(gaps) % 2 else (gaps[middle - 1] + gaps[middle]) / 2
-                   if gaps else None)
+        if not gaps:
+            spacing = None
+        elif len(gaps) % 2:
+            spacing = gaps[middle]
+        else:
+            spacing = (gaps[middle - 1] + gaps[middle]) / 2
         agrees = spacing is None or abs(spacing - Fraction(c["timescale"], c["fps"])) < 1
         expected = {"spacing_ticks": None if spacing is None else float(spacing)}
         assert case["expected"] == (expected if agrees else {"error": "MalformedDataset"}), \
