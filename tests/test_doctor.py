@@ -595,9 +595,13 @@ def spoil(path: Path, keyframe: bool) -> None:
     assert decodable_frames(path) is None  # the oracle: a full PyAV decode fails
 
 
+def keyframe_count(root: Path) -> int:
+    return sum(p[2] for camera in (FRONT, WRIST) for f in (0, 1)
+               for p in packets(root / video(camera, f)))
+
+
 def test_the_healthy_dataset_is_safe_to_train_only_when_every_frame_was_decoded(dataset):
-    keyframes = sum(p[2] for camera in (FRONT, WRIST) for f in (0, 1)
-                    for p in packets(dataset / video(camera, f)))
+    keyframes = keyframe_count(dataset)
     frames = 2 * sum(LENGTHS)
     assert 0 < keyframes < frames
     report = check_dataset(open_source(dataset), root=dataset, progress=False)
@@ -614,6 +618,7 @@ def test_the_healthy_dataset_is_safe_to_train_only_when_every_frame_was_decoded(
 
 
 def test_a_corrupt_keyframe_fails_decoding_as_it_fails_streaming(dataset):
+    keyframes = keyframe_count(dataset)
     spoil(dataset / video(WRIST, 1), keyframe=True)
     assert isinstance(stream_failure(dataset), DecodeError)  # the oracle: training fails
     for mode in ("keyframes", "all"):
@@ -622,6 +627,11 @@ def test_a_corrupt_keyframe_fails_decoding_as_it_fails_streaming(dataset):
         assert checks["decoding"].problem_count == 1
         assert video(WRIST, 1) in checks["decoding"].problems[0]
         assert "DecodeError" in checks["decoding"].problems[0]
+    # The keyframe that failed was checked: it counts with the others, not as unchecked.
+    report = check_dataset(open_source(dataset), root=dataset, progress=False)
+    frames = 2 * sum(LENGTHS)
+    assert f"{keyframes} of {frames} frames" in report.checks[-1].detail
+    assert report.not_checked[0].startswith(f"decoding: {frames - keyframes} of {frames} ")
 
 
 def test_a_corrupt_frame_between_keyframes_is_found_by_decoding_every_frame(dataset):

@@ -598,7 +598,7 @@ def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, Sample
                     tick: Tick, not_checked: list[str]) -> Check:
     """Decode, with refstream's own decoder, mini-MP4s made as streaming makes them: each
     keyframe of every indexed file alone, or every frame the episodes' rows request."""
-    problems, decoded, samples = _Problems(), 0, 0
+    problems, tried, samples = _Problems(), 0, 0  # tried: frames asked of the decoder
     pyav = f"PyAV {version('av')}"
     users = _video_users(meta)
     for relpath, index in sorted(indexes.items()):
@@ -606,27 +606,28 @@ def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, Sample
         jobs = (_keyframe_jobs(relpath, index) if decode == "keyframes" else
                 _request_jobs(meta, relpath, index, users[relpath], timestamps, tolerance_s))
         for label, span, pts in jobs:
+            tried += len(pts)
             try:
                 payload = source.read_range(relpath, span.byte_offset, span.byte_length)
                 with EpisodeDecoder(synth.synthesize(index, span, payload), label,
                                     span.start_pts) as decoder:
                     decoder.frames(pts)
-                decoded += len(pts)
             except RefstreamError as exc:
-                problems.add(f"{label}: {type(exc).__name__}: {exc}")
+                problems.add(f"{label}: {type(exc).__name__}: "
+                             f"{str(exc).removeprefix(f'{label}: ')}")
             except Exception as exc:  # not the data's fault: the decoder itself fails
                 problems.add(f"refstream cannot decode with the installed {pyav}: "
                              f"{type(exc).__name__}: {exc} (at {label}); nothing was decoded "
                              "after it")
                 not_checked.append("decoding: stopped at the first failure of the decoder")
-                return problems.check("decoding", f"stopped after {decoded} frames ({pyav})")
+                return problems.check("decoding", f"stopped where the decoder failed ({pyav})")
         tick(relpath)
     if decode == "keyframes":
-        not_checked.append(f"decoding: {samples - decoded} of {samples} frames, those that are "
+        not_checked.append(f"decoding: {samples - tried} of {samples} frames, those that are "
                            "not keyframes (--decode all decodes every frame the rows request)")
-        what = f"every keyframe, each alone: {decoded} of {samples} frames"
+        what = f"every keyframe, each alone: {tried} of {samples} frames"
     else:
-        what = f"every frame the rows request: {decoded} frames, from their episodes' spans"
+        what = f"every frame the rows request: {tried} frames, from their episodes' spans"
     return problems.check("decoding", f"{what} of {len(indexes)} video files ({pyav})")
 
 
