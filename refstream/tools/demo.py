@@ -635,9 +635,9 @@ class StreamMeasurement:
 def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
             max_samples: int | None = None, progress: bool = True,
             on_batch: Callable[[dict], None] | None = None) -> StreamMeasurement:
-    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader, stopping after
-    exactly ``max_samples`` samples if given (the last batch counted in part); ``on_batch`` sees
-    every collated batch."""
+    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader (of a batched
+    dataset's ready batches: ``batch_size=None``), stopping after exactly ``max_samples`` samples
+    if given (the last batch counted in part); ``on_batch`` sees every batch."""
     import torch
     from tqdm import tqdm
 
