@@ -378,6 +378,16 @@ def test_ignored_range_on_a_small_file_is_sliced(folder, server):
     assert source.read_range("small.bin", 100, 50) == data[100:150]
 
 
+@pytest.mark.parametrize("past_end", [1, 2])
+def test_ignored_range_ending_past_the_end_is_a_short_read(folder, server, past_end):
+    """The whole 5,000-byte file for bytes 4990-(4999 + past_end): not one byte fewer, accepted."""
+    source = http(server.url)
+    server.script("ignore_range")
+    with pytest.raises(ShortRead, match=f"bytes 4990-{4999 + past_end}: file has only 5000"):
+        source.read_range("small.bin", 4990, 10 + past_end)
+    assert [(r.mode, r.status) for r in server.log] == [("ignore_range", 200)]
+
+
 def test_fault_mix_delivers_every_byte(folder):
     data = blob(folder)
     faults = Faults(reset=0.05, status_5xx=0.05, burst=2, short=0.02, too_many=0.01, seed=7)
@@ -605,7 +615,7 @@ def test_hf_root_syntax_is_checked():
 
 # --- conformance cases (hand-derived expectations in spec/fixtures/fetch) -----------------------
 
-CASES = [c for kind in ("range_response", "suffix_response", "hf_url")
+CASES = [c for kind in ("range_response", "suffix_response", "hf_url", "hub_target")
          for c in load_cases(kind=kind)]
 
 
