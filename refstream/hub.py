@@ -20,13 +20,14 @@ thread of a process, and for every process of the machine through ``<cache root>
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from urllib.parse import parse_qsl, quote, unquote, urljoin, urlsplit
@@ -209,18 +210,28 @@ class HubSource(HTTPSource):
             response.close()
             self._targets.pop(url, None)
             self._shared_path(url).unlink(missing_ok=True)
-        with self._resolving.setdefault(url, threading.Lock()):
+        with self._one_resolve(url):
             target = self._live_target(url)  # another thread or process resolved it meanwhile
             if target is None:
                 response, hops = super()._send(method, url, headers, where)
                 if len(hops) > 1 and response.ok:
                     self._targets[url] = response.url, target_expiry(response.url, time.time())
+                    text = "{1}\n{0}".format(*self._targets[url]).encode()
                     with contextlib.suppress(OSError):  # sharing saves resolves; it is optional
-                        self._shared.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        text = "{1}\n{0}".format(*self._targets[url]).encode()
                         install(self._shared_path(url), lambda out: out.write(text))
                 return response, hops
         return super()._send(method, target, headers, where)
+
+    @contextlib.contextmanager
+    def _one_resolve(self, url: str) -> Iterator[None]:
+        """Held while ``url`` is resolved: by one thread of the process and, through an
+        exclusive ``flock`` in the cache folder (when it can be written), one process."""
+        with self._resolving.setdefault(url, threading.Lock()), contextlib.ExitStack() as held:
+            with contextlib.suppress(OSError):
+                self._shared.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fcntl.flock(held.enter_context(open(f"{self._shared_path(url)}.lock", "a")),
+                            fcntl.LOCK_EX)
+            yield
 
     def _live_target(self, url: str) -> str | None:
         """``url``'s target that needs no resolve yet, from memory or the cache folder."""

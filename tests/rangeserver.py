@@ -159,6 +159,7 @@ class RangeServer:
         self.max_requests = max_requests
         self.log: list[RequestRecord] = []
         self.overflowed = False
+        self.gate: threading.Event | None = None  # when set: /resolve/ answers wait for it
         self._rng = random.Random(self.faults.seed)
         self._script: list[str] = []
         self._burst_left = 0
@@ -368,6 +369,9 @@ def _make_handler(server: RangeServer):
             relpath, limits = path.lstrip("/"), {}
             if hub is not None and (m := _HUB_RESOLVE.fullmatch(path)):
                 relpath = m[4]
+                while server.gate is not None and not server.gate.wait(0.05):
+                    if server._stopping.is_set():
+                        return None
                 if hub.resolver_quota:
                     allowed, limits = server._resolver_quota()
                     if not allowed:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -106,13 +108,46 @@ def test_another_process_reads_the_live_targets_from_the_cache_folder(folder, hu
         assert second.read_range(f"data/blob{n}.bin", 5, 10) == \
             (folder / "data" / f"blob{n}.bin").read_bytes()[5:15]
     assert resolves(hub_server) == {f"blob{n}.bin": 1 for n in range(3)}
-    shared = sorted((cache / "hub-targets").iterdir())
+    shared = sorted(p for p in (cache / "hub-targets").iterdir() if p.suffix != ".lock")
     assert len(shared) == 3
     assert (cache / "hub-targets").stat().st_mode & 0o077 == 0  # its owner's only
     for path in shared:  # the expiry and the signed target: never the token
         expiry, target = path.read_text().split("\n")
         assert "X-Amz-Signature=" in target and TOKEN not in path.read_text()
         assert float(expiry) == target_expiry(target, 0.0)
+
+
+READER = """import sys
+from refstream.hub import open_hf_source
+source = open_hf_source(sys.argv[1], endpoint=sys.argv[2], token=sys.argv[3])
+sys.stdout.buffer.write(source.read_range("data/blob0.bin", 0, 100))
+"""
+
+
+def waits_for_a_flock(pid: int) -> bool:
+    """Whether process ``pid`` waits for a flock now (``/proc/locks`` marks such lines ``->``)."""
+    return any("->" in line and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_two_processes_asking_for_one_file_at_once_make_one_resolve(folder, hub, cache):
+    hub_server, _ = hub
+    hub_server.gate = threading.Event()  # the first resolve waits until the second process does
+    args = [sys.executable, "-c", READER, f"hf://datasets/owner/name@{COMMIT}", hub_server.url,
+            TOKEN]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not any("/resolve/" in r.path for r in hub_server.log):  # its resolve is held
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.01)
+    second = subprocess.Popen(args, stdout=subprocess.PIPE)
+    while not waits_for_a_flock(second.pid):  # the second process waits for the first's resolve
+        assert time.monotonic() < deadline and second.poll() is None
+        time.sleep(0.01)
+    hub_server.gate.set()
+    expected = (folder / "data" / "blob0.bin").read_bytes()[:100]
+    assert [p.communicate(timeout=60)[0] for p in (first, second)] == [expected, expected]
+    assert resolves(hub_server) == {"blob0.bin": 1}
 
 
 def test_a_target_is_resolved_again_once_its_signature_expires(folder, hub, cache, monkeypatch):
@@ -137,7 +172,8 @@ def test_the_cdn_refuses_an_expired_signature_and_the_source_resolves_again(fold
     expired = "?X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600&X-Amz-Signature=0"
     answer = requests.get(f"{cdn.url}/data/blob2.bin{expired}", timeout=10)
     assert answer.status_code == 403 and b"Request has expired" in answer.content
-    path = next((cache / "hub-targets").iterdir())  # another process stored an expired target
+    path = next(p for p in (cache / "hub-targets").iterdir() if p.suffix != ".lock")
+    # another process stored an expired target
     path.write_text(f"{time.time() + 600}\n{cdn.url}/data/blob2.bin{expired}")
     fresh = source_on(hub_server)
     assert fresh.read_range("data/blob2.bin", 0, 10) == \
