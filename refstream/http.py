@@ -1,6 +1,5 @@
 """HTTP(S) byte sources: one range per request, each answer judged before its body is read,
-transient failures retried, rate limits waited out (SPEC §8.2 requests and answers, §8.3 retries,
-§8.1 identities).
+transient failures retried, rate limits waited out (SPEC §8.2 answers, §8.3, §8.1 identities).
 
 Usage::
 
@@ -184,8 +183,7 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 
 
 def parse_decimal(text: str | None) -> int | None:
-    """``text``, spaces and tabs around it removed, as an integer when it is a decimal (ASCII
-    digits, SPEC §8.2), else None."""
+    """``text`` as an integer when, spaces and tabs around it removed, it is a decimal (§8.2)."""
     text = (text or "").strip(" \t")
     return int(text) if text.isascii() and text.isdigit() else None
 
@@ -205,9 +203,8 @@ def _check_size(known_size: int | None, total: int | None, where: str) -> None:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long to retry a transient failure (SPEC §8.3; seconds);
-    ``rate_limit_wait_s`` bounds one request's waits on answers that say when to retry
-    (default ``$REFSTREAM_RATE_LIMIT_WAIT_S``, else 360 s: a 5-minute quota window and more)."""
+    """How often and how long to retry a transient failure, and how long one request may wait
+    on rate limits in all (SPEC §8.3; seconds; default ``$REFSTREAM_RATE_LIMIT_WAIT_S``)."""
 
     max_attempts: int = 5
     backoff_base_s: float = 0.25

@@ -1,6 +1,5 @@
-"""The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots and revision pinning
-(SPEC §8.4), content identities from the tree listing (SPEC §10.1), redirect targets shared
-within the Hub's quotas and the Hub's own errors (SPEC §8.4, *At training scale*).
+"""The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots, revision pinning, shared
+redirect targets and the Hub's refusals (SPEC §8.4), content identities from the listing (§10.1).
 
 Usage::
 
@@ -10,15 +9,13 @@ Usage::
 
 A branch or tag is pinned once, at open, to its commit: DataLoader workers open the
 :func:`pinned_root`, so every file a run reads comes from that commit. The endpoint
-(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's.
-
-A file's signed redirect target is resolved once per lifetime (:func:`target_expiry`) for every
-thread of a process, and for every process of the machine through ``<cache root>/hub-targets``
-(one file per URL: the expiry and the target, never the token).
+(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's. A file's signed
+target serves every thread and process of the machine until it expires (:func:`target_expiry`).
 """
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import fcntl
 import hashlib
@@ -29,19 +26,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from urllib.parse import parse_qsl, quote, unquote, urljoin, urlsplit
 
 import requests
 
-from refstream.errors import (
-    FetchError,
-    HubAuthError,
-    HubRepoNotFound,
-    HubRevisionNotFound,
-    MalformedDataset,
-    UsageError,
-)
+from refstream import errors
+from refstream.errors import FetchError, MalformedDataset, UsageError
 from refstream.http import HTTPSource, parse_decimal
 from refstream.meta import check_relpath
 from refstream.sidecar import default_cache_root, install
@@ -119,8 +109,7 @@ def target_expiry(target: str, issued: float) -> float:
     query = dict(parse_qsl(urlsplit(target).query))
     signed, lifetime = query.get("X-Amz-Date", ""), parse_decimal(query.get("X-Amz-Expires"))
     if _AMZ_DATE.fullmatch(signed) and lifetime is not None:
-        at = datetime.strptime(signed, "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
-        return at.timestamp() + lifetime
+        return calendar.timegm(time.strptime(signed, "%Y%m%dT%H%M%SZ")) + float(lifetime)
     expires = parse_decimal(query.get("Expires"))
     return float(expires) if expires is not None else issued + TARGET_LIFETIME_S
 
@@ -246,31 +235,27 @@ class HubSource(HTTPSource):
         return self._shared / hashlib.sha256(url.encode()).hexdigest()[:32]
 
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
-        """The Hub's error for a refused request, from ``X-Error-Code`` / ``X-Error-Message``
-        (SPEC §8.4); a CDN's answers carry neither."""
+        """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN's answers carry
+        neither ``X-Error-Code`` nor ``X-Error-Message``."""
         code, text = headers.get("X-Error-Code", ""), headers.get("X-Error-Message", "")
-        repo = f"{where}: dataset {self._repo}"
+        repo, said = f"{where}: dataset {self._repo}", f"HTTP {status}: {text or code}"
         if status not in (401, 403, 404) or not (code or text):
             return
         if "credentials" in text:
-            raise HubAuthError(f"{repo}: the Hub refused the token (HTTP {status}: {text}); "
-                               "set HF_TOKEN to a valid token")
+            raise errors.HubAuthError(f"{repo}: the Hub refused the token ({said}); set HF_TOKEN "
+                                      "to a valid token")
         if code == "RevisionNotFound":
-            raise HubRevisionNotFound(f"{repo} has no revision {self._commit!r} (branch, tag "
-                                      "or commit)")
+            raise errors.HubRevisionNotFound(f"{repo} has no revision {self._commit!r}")
         if code == "EntryNotFound":
-            raise MalformedDataset(f"{where}: no such file in dataset {self._repo} at revision "
-                                   f"{self._commit}")
+            raise MalformedDataset(f"{repo} has no such file at revision {self._commit}")
         if code not in ("RepoNotFound", "GatedRepo") and status != 401:
             return
         if not self._token:
-            raise HubAuthError(f"{repo} is private, gated or absent, and no token was given: "
-                               "set HF_TOKEN to a token that can read it")
+            raise errors.HubAuthError(f"{repo} is private, gated or absent, and no token was "
+                                      "given: set HF_TOKEN to a token that can read it")
         if code == "GatedRepo":
-            raise HubAuthError(f"{repo} is gated: accept its conditions on its Hub page with "
-                               "the account of the token")
-        raise HubRepoNotFound(f"{repo} does not exist, or the token cannot read it "
-                              f"(HTTP {status}: {code or text})")
+            raise errors.HubAuthError(f"{repo} is gated: accept its conditions on its Hub page")
+        raise errors.HubRepoNotFound(f"{repo} does not exist, or the token cannot read it ({said})")
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
         """The files of one page of a tree listing, by relpath."""

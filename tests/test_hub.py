@@ -157,7 +157,8 @@ def test_a_target_is_resolved_again_once_its_signature_expires(folder, hub, cach
         source.read_range("data/blob1.bin", offset, 10)
     assert resolves(hub_server) == {"blob1.bin": 1}
     later = time.time() + SIGNED_S - TARGET_MARGIN_S + 5  # within the margin of its expiry
-    monkeypatch.setattr(hub_module, "time", SimpleNamespace(time=lambda: later))
+    clock = SimpleNamespace(time=lambda: later, strptime=time.strptime)
+    monkeypatch.setattr(hub_module, "time", clock)
     hub_server.hub.signed_s = 2 * SIGNED_S  # the next signature lives long past `later`
     source.read_range("data/blob1.bin", 30, 10)
     source.read_range("data/blob1.bin", 40, 10)
@@ -192,11 +193,11 @@ ERRORS = {  # root, token -> the error, and what its message must say
                       "the Hub refused the token (HTTP 401: Invalid credentials in Authorization "
                       "header); set HF_TOKEN to a valid token"),
     "no such revision": ("hf://datasets/owner/name@nope", TOKEN, HubRevisionNotFound,
-                         "dataset owner/name has no revision 'nope' (branch, tag or commit)"),
+                         "dataset owner/name has no revision 'nope'"),
     "no such repo": ("hf://datasets/owner/other", TOKEN, HubRepoNotFound,
                      "dataset owner/other does not exist, or the token cannot read it"),
     "no such file": (f"hf://datasets/owner/name@{COMMIT}", TOKEN, MalformedDataset,
-                     f"meta/info.json: no such file in dataset owner/name at revision {COMMIT}"),
+                     f"meta/info.json: dataset owner/name has no such file at revision {COMMIT}"),
 }
 
 
