@@ -518,8 +518,10 @@ def test_the_test_server_is_bounded_in_requests(folder):
 
 
 @pytest.fixture
-def hub(folder):
-    """A fake Hub on 127.0.0.1 that redirects file requests to a second loopback host."""
+def hub(folder, tmp_path, monkeypatch):
+    """A fake Hub on 127.0.0.1 that redirects file requests to a second loopback host; redirect
+    targets are shared through a cache folder of the test's own."""
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
     with RangeServer(folder, host=second_loopback_host()) as cdn:
         config = HubConfig(revisions={"main": COMMIT, "v1.0": COMMIT}, token=TOKEN)
         with RangeServer(folder, hub=config, redirect_to=cdn) as hub_server:
