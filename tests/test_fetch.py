@@ -287,6 +287,13 @@ def test_a_rate_limit_past_the_bound_fails_at_once_naming_quota_reset_and_settin
     assert len(srv.log) == 1
 
 
+def test_the_rate_limit_bound_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REFSTREAM_RATE_LIMIT_WAIT_S", "12.5")
+    assert RetryPolicy().rate_limit_wait_s == 12.5
+    monkeypatch.delenv("REFSTREAM_RATE_LIMIT_WAIT_S")
+    assert RetryPolicy().rate_limit_wait_s == 360.0  # a 5-minute quota window and more
+
+
 def test_parse_retry_after_seconds_and_http_date():
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)
     assert parse_retry_after("7") == 7.0
