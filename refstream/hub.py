@@ -191,6 +191,8 @@ class HubSource(HTTPSource):
               where: str) -> tuple[requests.Response, list[requests.Response]]:
         """Straight to the live target of ``url``'s redirects, while it answers; else one resolve
         at a time, whose target every thread and process then reads (SPEC §8.4)."""
+        if "/resolve/" not in url:  # an API call: answered, not redirected
+            return super()._send(method, url, headers, where)
         target = self._live_target(url)
         if target is not None:
             response, hops = super()._send(method, target, headers, where)
