@@ -129,6 +129,22 @@ class RetriesExhausted(FetchError):
     """A transient failure persisted through every retry (the last cause is chained)."""
 
 
+class RateLimited(FetchError):
+    """A server's rate limit resets later than a request may wait (names quota and reset)."""
+
+
+class HubAuthError(FetchError):
+    """The Hub wants a token it was not given, refused the one given, or gates the dataset."""
+
+
+class HubRepoNotFound(FetchError):
+    """No such dataset on the Hub, or none the token can see (names the repository)."""
+
+
+class HubRevisionNotFound(FetchError):
+    """The dataset has no such branch, tag or commit (names the revision and the repository)."""
+
+
 # --- the byte budget -----------------------------------------------------------------------
 
 
