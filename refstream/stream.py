@@ -51,7 +51,7 @@ GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Layout of the shared position tensor (int64): where every new iterator starts, for how many
 # DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
 # earlier topologies it resumes after (0: none).
-_EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY = range(5)
+_EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -143,7 +143,8 @@ class StreamingDataset(IterableDataset):
         self.rank_frames = sum(self._frames_of[e] for e in share)
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
-        self._position = torch.zeros(5, dtype=torch.int64).share_memory_()
+        self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
+        self._resumes_into: int | None = None  # the epoch a loaded checkpoint continues
         self.set_epoch(0)
 
     def __len__(self) -> int:
@@ -173,16 +174,19 @@ class StreamingDataset(IterableDataset):
     # --- position: epochs and resume ----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start every following iterator at the beginning of ``epoch`` (clears a resume)."""
+        """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
+        ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self._history, self._delivered = (), None
+        if epoch == self._resumes_into and not int(self._position[_PASS]):
+            return
+        self._history, self._delivered, self._resumes_into = (), None, None
         self._set_position(epoch, 0, 0)
 
     def _set_position(self, epoch: int, samples: int, num_workers: int) -> None:
         seed = self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed  # int64 bits
         self._position.copy_(torch.tensor([epoch, samples, num_workers, seed,
-                                           _digest(self._history)]))
+                                           _digest(self._history), 0]))
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
@@ -210,6 +214,16 @@ class StreamingDataset(IterableDataset):
             _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
+        self._resumes_into = min(self._start(self.batch_size, workers)[1].epochs)
+
+    def _start(self, batch_size: int, num_workers: int
+               ) -> tuple[resume.Course, resume.ResumePositions]:
+        """The plans from the position on, and where each logical worker starts in them."""
+        epoch, samples, _, _, history, _ = (int(v) for v in self._position)
+        delivered = self._delivered if history else resume.Delivered(epoch)
+        course = resume.Course(self._setup(batch_size, num_workers), self.episodes,
+                               self._frames, delivered)
+        return course, course.positions(self.rank, samples)
 
     def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
         if self.batch_size is not None and batch_size != self.batch_size:
@@ -226,7 +240,7 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        epoch, samples, resume_workers, seed, history = (int(v) for v in self._position)
+        _, _, resume_workers, seed, history, _ = (int(v) for v in self._position)
         self.seed = seed & MASK64
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
@@ -239,10 +253,8 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"the dataset was made with num_workers={self.num_workers}, the "
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
-        delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(self.batch_size or 1, num_workers), self.episodes,
-                               self._frames, delivered)
-        positions = course.positions(self.rank, samples)
+        self._position[_PASS] = 1  # an iterator started: set_epoch no longer keeps a resume
+        course, positions = self._start(self.batch_size or 1, num_workers)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
             num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,

@@ -583,3 +583,35 @@ def test_hub_roots_are_pinned_to_the_commit_for_workers():
     assert pinned_root("hf://datasets/o/n@main/sub/dir", f"commit:{sha}") == (
         f"hf://datasets/o/n@{sha}/sub/dir")
     assert pinned_root("http://host/data", 'etag:"x"') == "http://host/data"
+
+
+class _AccelerateLoader:
+    """What accelerate's ``DataLoaderShard.__iter__`` does (accelerate/data_loader.py): call
+    ``set_epoch(self.iteration)`` on the dataset, iterate the DataLoader, count the pass."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.iteration = loader, 0
+
+    def __iter__(self):
+        self.loader.dataset.set_epoch(self.iteration)
+        yield from self.loader
+        self.iteration += 1
+
+
+def test_set_epoch_of_the_epoch_a_checkpoint_resumes_into_keeps_it(resume_root):
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    fresh = StreamingDataset(resume_root, **options)
+    epoch0 = _run(fresh, 2, BATCH)
+    fresh.set_epoch(1)
+    epoch1 = _run(fresh, 2, BATCH)
+    state = StreamingDataset(resume_root, **options).state_dict(
+        3 * BATCH, batch_size=BATCH, num_workers=2)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    loader = _AccelerateLoader(DataLoader(resumed, batch_size=BATCH, num_workers=2))
+    assert _labels(loader) == epoch0[3:]  # set_epoch(0) kept the checkpoint
+    assert _labels(loader) == epoch1  # set_epoch(1) moved on
+    resumed.load_state_dict(state)
+    assert _run(resumed, 2, BATCH, 1) == epoch0[3:4]
+    resumed.set_epoch(0)  # an iterator started since the load: epoch 0 from its beginning
+    assert _run(resumed, 2, BATCH) == epoch0
