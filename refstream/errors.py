@@ -49,6 +49,11 @@ class ShardingError(UsageError):
     """A topology cannot be served, e.g. fewer episodes on a rank than DataLoader workers."""
 
 
+class IterableOnly(UsageError, TypeError):
+    """An index into the streaming dataset, or ``len()`` without what the count needs; a
+    ``TypeError`` too, so ``list()`` and ``tqdm`` go on without a length."""
+
+
 class ResumeError(UsageError):
     """A ``state_dict`` cannot be resumed (malformed, or not a whole number of batches)."""
 

@@ -34,7 +34,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from refstream import resume, shard
-from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError, check_at_least
+from refstream.errors import (
+    EpisodeTooLarge,
+    IterableOnly,
+    TopologyChanged,
+    UsageError,
+    check_at_least,
+)
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
@@ -164,6 +170,11 @@ class StreamingDataset(IterableDataset):
                      for w in range(workers)]
         per_item = self.batch_size if self.batched else 1  # samples per yielded item
         return sum(-(-stop // per_item) for stop in stops)
+
+    def __getitem__(self, index):
+        raise IterableOnly(
+            f"StreamingDataset is an iterable dataset, it has no item {index!r}: iterate it "
+            "(a DataLoader over it, or iter(dataset)); LeRobotDataset reads items by index")
 
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC

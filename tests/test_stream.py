@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import refstream.worker
 from refstream.budget import ByteBudget
-from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
+from refstream.errors import EpisodeTooLarge, IterableOnly, TableError, TopologyChanged, UsageError
 from refstream.sidecar import MappedIndex
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools.demo import read_frame_label, serve_directory, write_demo_dataset
@@ -615,3 +615,11 @@ def test_set_epoch_of_the_epoch_a_checkpoint_resumes_into_keeps_it(resume_root):
     assert _run(resumed, 2, BATCH, 1) == epoch0[3:4]
     resumed.set_epoch(0)  # an iterator started since the load: epoch 0 from its beginning
     assert _run(resumed, 2, BATCH) == epoch0
+
+
+def test_an_item_by_index_says_the_dataset_is_iterable(resume_root):
+    dataset = StreamingDataset(resume_root)
+    with pytest.raises(IterableOnly, match=r"iterable dataset, it has no item 3: iterate it"):
+        dataset[3]
+    with pytest.raises(TypeError):  # what Python code expects of an object without items
+        dataset[0]
