@@ -11,6 +11,7 @@ memory the training process receives)::
         dataset.set_epoch(epoch)
         for batch in loader: ...
 
+Without ``set_epoch``, each new iterator (``cycle(loader)``) plays the next epoch (SPEC §9.4).
 Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. A sample
 equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its share in the
 order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
@@ -56,8 +57,10 @@ __all__ = ["StreamingDataset", "Batch", "GIB"]
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Layout of the shared position tensor (int64): where every new iterator starts, for how many
 # DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
-# earlier topologies it resumes after (0: none).
+# earlier topologies it resumes after (0: none); then which iterator started last since it was
+# set, and how many did (0: none; see _enter).
 _EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
+_LOW = (1 << 32) - 1  # the count in _PASS
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -151,6 +154,7 @@ class StreamingDataset(IterableDataset):
         # of a resume and what they delivered (workers get them).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
         self._resumes_into: int | None = None  # the epoch a loaded checkpoint continues
+        self._iterators = 0  # started in this process (see _enter)
         self.set_epoch(0)
 
     def __len__(self) -> int:
@@ -201,13 +205,24 @@ class StreamingDataset(IterableDataset):
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
-        the current position was set, with a DataLoader of ``num_workers`` workers."""
-        base = int(self._position[_SAMPLES])
-        state = resume.ResumeState(epoch=int(self._position[_EPOCH]), samples=base + samples,
-                                   setup=self._setup(batch_size, max(1, num_workers)),
-                                   history=self._history).to_dict()
-        resume.ResumeState.from_dict(state)  # validates (whole batches, non-negative)
-        return state
+        the position was last set (construction, ``set_epoch``, ``load_state_dict``), with a
+        DataLoader of ``num_workers`` workers (SPEC §9.4)."""
+        epoch, base = int(self._position[_EPOCH]), int(self._position[_SAMPLES])
+        course, start = self._start(batch_size, max(1, num_workers))
+        end = course.positions(self.rank, base + samples)  # ResumeError: not whole batches
+        started = max(1, int(self._position[_PASS]) & _LOW)  # iterators since the position
+        past = (end.epochs[0] - start.epochs[0], any(end.offsets)) > (started, False)
+        if past and not self.repeat:
+            raise UsageError(
+                f"state_dict(samples={samples}): this rank cannot have yielded that many since "
+                f"its position was set (epoch {epoch}, sample {base}): the {started} "
+                f"iterator(s) started since end with epoch {start.epochs[0] + started - 1}. "
+                "samples counts the samples consumed since the last set_epoch or "
+                "load_state_dict (or construction), not since the start of training")
+        if not (self.repeat or self._history):  # name the epoch in progress
+            epoch, base = end.epochs[0], sum(-(-a // batch_size) for a in end.offsets) * batch_size
+            samples = 0
+        return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
         """Start every following iterator where ``state`` left off, with ``num_workers``
@@ -264,8 +279,12 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"the dataset was made with num_workers={self.num_workers}, the "
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
-        self._position[_PASS] = 1  # an iterator started: set_epoch no longer keeps a resume
+        later = self._enter(info)
         course, positions = self._start(self.batch_size or 1, num_workers)
+        if later and not self.repeat:  # the next epoch, from its beginning (SPEC §9.4)
+            delivered = resume.Delivered(min(positions.epochs) + later)
+            course = resume.Course(course.setup, self.episodes, self._frames, delivered)
+            positions = course.positions(self.rank, 0)
         logical = (worker + positions.rotation) % num_workers
         limits = shard.split_limits(
             num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
@@ -281,6 +300,19 @@ class StreamingDataset(IterableDataset):
         with contextlib.closing(WorkerStream(self, episodes, limits)) as stream:
             yield from stream.stream(runs(), self.batch_size if self.batched
                                      else self.decoded_queue_size, self.batched, info is not None)
+
+    def _enter(self, info) -> int:
+        """How many iterators started before this one since the position was set. The workers
+        of one DataLoader iterator agree: they share its base seed and, when persistent, their
+        count of iterators, and this writes a whole int64."""
+        self._iterators += 1
+        base = os.getpid() if info is None else info.seed - info.id
+        key = hash((base, self._iterators)) % (1 << 30) + 1
+        word = int(self._position[_PASS])
+        if word >> 32 == key:
+            return (word & _LOW) - 1
+        self._position[_PASS] = key << 32 | (word & _LOW) + 1
+        return word & _LOW
 
     def _planner(self, course: resume.Course, logical: int, epoch: int,
                  byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:

@@ -623,3 +623,66 @@ def test_an_item_by_index_says_the_dataset_is_iterable(resume_root):
         dataset[3]
     with pytest.raises(TypeError):  # what Python code expects of an object without items
         dataset[0]
+
+
+def _cycle(loader):
+    """lerobot-train's ``cycle(loader)``: a new iterator whenever one ends."""
+    while True:
+        yield from loader
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_loop_that_never_sets_the_epoch_moves_to_the_next_one(resume_root, num_workers,
+                                                                  persistent):
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    reference = StreamingDataset(resume_root, **options)
+    epochs = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        epochs.append(_run(reference, num_workers, BATCH))
+    everything = sorted((e, f) for e, n in enumerate(RESUME_LENGTHS) for f in range(n))
+    assert all(sorted(x for b in batches for x in b) == everything for batches in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    flat = [b for batches in epochs for b in batches]
+
+    def loop(dataset):
+        return _cycle(DataLoader(dataset, batch_size=BATCH, num_workers=num_workers,
+                                 persistent_workers=persistent))
+
+    assert _labels(islice(loop(StreamingDataset(resume_root, **options)), len(flat))) == flat
+    # A checkpoint in epoch 1, its samples counted from the start of training, resumes exactly.
+    steps = len(epochs[0]) + 3
+    first = StreamingDataset(resume_root, **options)
+    assert _labels(islice(loop(first), steps)) == flat[:steps]
+    state = first.state_dict(steps * BATCH, batch_size=BATCH, num_workers=num_workers)
+    assert (state["epoch"], state["samples"]) == (1, 3 * BATCH)  # the epoch in progress
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    assert _labels(islice(loop(resumed), len(flat) - steps)) == flat[steps:]
+
+
+def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root, tmp_path):
+    write_demo_dataset(tmp_path, episode_lengths=(60,) * 5, cameras=())  # 300 frames
+    dataset = StreamingDataset(tmp_path, seed=1, batch_size=4)
+    with pytest.raises(UsageError, match=r"state_dict\(samples=100000\): this rank cannot have "
+                       r"yielded that many .* not since the start of training"):
+        dataset.state_dict(100000, batch_size=4, num_workers=2)
+    whole = dataset.state_dict(300, batch_size=4, num_workers=2)  # the whole epoch: 75 batches
+    assert (whole["epoch"], whole["samples"]) == (1, 0)
+    # An epoch loop that counts samples from the start of training.
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    dataset = StreamingDataset(resume_root, **options)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=2)
+    epochs, steps = [], 0
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        epochs.append(_labels(loader))
+        steps += len(epochs[0]) if epoch == 0 else 3
+    with pytest.raises(UsageError, match="since the last set_epoch or load_state_dict"):
+        dataset.state_dict(steps * BATCH, batch_size=BATCH, num_workers=2)
+    # README's recipe: the samples of the epoch in progress, set_epoch on resume.
+    state = dataset.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(state["epoch"])
+    assert _run(resumed, 2, BATCH) == epochs[1][3:]
