@@ -158,13 +158,16 @@ class StreamingDataset(IterableDataset):
         self.set_epoch(0)
 
     def __len__(self) -> int:
-        """Samples (with ``batched``: batches) this rank yields in an epoch (SPEC §9.5); a
-        distributed or batched count needs ``num_workers``, the DataLoader's."""
-        if not self.batched and (self.repeat or self.world_size == 1):
+        """What an epoch of this rank yields (SPEC §9.5): with ``batched``, batches; else samples
+        or, with ``batch_size`` and without ``repeat``, the epoch's batches × ``batch_size``, so
+        that the DataLoader's ``len`` is its number of batches (a worker's last one may be
+        short). Those counts depend on the DataLoader's worker count: give ``num_workers``."""
+        if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
-            raise UsageError(f"len() of a {'batched' if self.batched else 'distributed'} epoch "
-                             "needs the DataLoader's worker count: give num_workers=N")
+            raise IterableOnly("len() counts the batches of an epoch, which depend on the "
+                               "DataLoader's worker count (each worker's last batch may be "
+                               "short): give StreamingDataset num_workers=N")
         workers = max(1, self.num_workers)
         course = resume.Course(self._setup(self.batch_size, workers), self.episodes,
                                self._frames, resume.Delivered(0))
@@ -172,8 +175,8 @@ class StreamingDataset(IterableDataset):
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
                      for w in range(workers)]
-        per_item = self.batch_size if self.batched else 1  # samples per yielded item
-        return sum(-(-stop // per_item) for stop in stops)
+        batches = sum(-(-stop // self.batch_size) for stop in stops)
+        return batches if self.batched else batches * self.batch_size
 
     def __getitem__(self, index):
         raise IterableOnly(

@@ -8,6 +8,7 @@ tolerance). Nothing of refstream is used to build it.
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import shutil
 import threading
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 import refstream.worker
 from refstream.budget import ByteBudget
@@ -362,23 +364,16 @@ def test_len_is_what_a_rank_yields_in_an_epoch(resume_root, world_size, num_work
         dataset = StreamingDataset(resume_root, rank=rank, world_size=world_size,
                                    batch_size=batch_size, num_workers=num_workers, repeat=repeat)
         loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
-        batches = iter(loader)
-        yielded = 0
-        while yielded < len(dataset) + (batch_size if repeat else 10**9):
-            try:
-                yielded += len(next(batches)["index"])
-            except StopIteration:
-                break
-        del batches
         if repeat:  # endless: an epoch is every frame of the rank
             assert len(dataset) == dataset.rank_frames
-        else:
-            assert len(dataset) == yielded, (rank, len(dataset), yielded)
+            continue
+        batches = len(list(loader))  # each worker's last batch may be short
+        assert len(loader) == batches and len(dataset) == batches * batch_size, rank
 
 
 def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
     dataset = StreamingDataset(resume_root, rank=0, world_size=2, batch_size=4)
-    with pytest.raises(UsageError, match="num_workers"):
+    with pytest.raises(IterableOnly, match="give StreamingDataset num_workers=N"):
         len(dataset)
     dataset = StreamingDataset(resume_root, batch_size=4, num_workers=2)
     with pytest.raises(UsageError, match="num_workers=2"):
@@ -686,3 +681,25 @@ def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root
     resumed.load_state_dict(state)
     resumed.set_epoch(state["epoch"])
     assert _run(resumed, 2, BATCH) == epochs[1][3:]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_len_tqdm_and_list_of_the_readme_loaders(resume_root, batched):
+    """README's two idioms with 2 workers: len(loader) is the batches that arrive, though each
+    worker's last batch is short (15 batches of 3 from 42 frames, not 14)."""
+    loader_batch = None if batched else 3
+    options = {"seed": 0, "batch_size": 3, "batched": batched, "return_uint8": True}
+    dataset = StreamingDataset(resume_root, num_workers=2, **options)
+    loader = DataLoader(dataset, batch_size=loader_batch, num_workers=2)
+    arrived = list(loader)
+    assert len(arrived) == 15 > -(-sum(RESUME_LENGTHS) // 3)
+    assert len(loader) == len(arrived) == len(dataset) // (1 if batched else 3)
+    bar = tqdm(loader, file=io.StringIO())
+    assert bar.total == sum(1 for _ in bar) == 15
+    # Without the worker count, len() says what it needs, and tqdm and list go on without it.
+    dataset = StreamingDataset(resume_root, **options)
+    loader = DataLoader(dataset, batch_size=loader_batch, num_workers=2)
+    with pytest.raises(IterableOnly, match="worker count"):
+        len(loader)
+    bar = tqdm(loader, file=io.StringIO())
+    assert bar.total is None and len(list(bar)) == len(list(loader)) == 15
