@@ -28,20 +28,15 @@ import contextlib
 import hashlib
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import resume, shard
-from refstream.errors import (
-    EpisodeTooLarge,
-    IterableOnly,
-    TopologyChanged,
-    UsageError,
-    check_at_least,
-)
+from refstream import errors, resume, shard
+from refstream.errors import EpisodeTooLarge, IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
@@ -57,10 +52,10 @@ __all__ = ["StreamingDataset", "Batch", "GIB"]
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Layout of the shared position tensor (int64): where every new iterator starts, for how many
 # DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
-# earlier topologies it resumes after (0: none); then which iterator started last since it was
-# set, and how many did (0: none; see _enter).
+# earlier topologies it resumes after (0: none); then the last iterator started since it was
+# set and their count in its _LOW bits (0: none; see _enter).
 _EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
-_LOW = (1 << 32) - 1  # the count in _PASS
+_LOW = (1 << 32) - 1
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -102,9 +97,9 @@ class StreamingDataset(IterableDataset):
                              f"{sampling_strategy!r}")
         if not byte_budget_gb > 0:
             raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-        check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
-        check_at_least(1, decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
-                       batch_size=batch_size)
+        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        errors.check_at_least(1, decode_threads=decode_threads,
+                              decoded_queue_size=decoded_queue_size, batch_size=batch_size)
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -136,6 +131,8 @@ class StreamingDataset(IterableDataset):
             self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
                                         feature_keys=self.meta.features)
             share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
+            parts = shard.lpt_partition(self.episodes, self._frames, self.world_size)
+            self._most_workers = max(1, min(map(len, parts)))  # SPEC §2.2, Idle workers
             self.video_index: VideoIndex | None = None
             if self.meta.camera_keys:
                 self.video_index = ensure_index(source, video_relpaths(self.meta),
@@ -156,25 +153,25 @@ class StreamingDataset(IterableDataset):
         self._resumes_into: int | None = None  # the epoch a loaded checkpoint continues
         self._iterators = 0  # started in this process (see _enter)
         self.set_epoch(0)
+        if num_workers and num_workers > self._most_workers:
+            _warn_idle(num_workers, self._most_workers)
 
     def __len__(self) -> int:
-        """What an epoch of this rank yields (SPEC §9.5): with ``batched``, batches; else samples
-        or, with ``batch_size`` and without ``repeat``, the epoch's batches × ``batch_size``, so
-        that the DataLoader's ``len`` is its number of batches (a worker's last one may be
-        short). Those counts depend on the DataLoader's worker count: give ``num_workers``."""
+        """What an epoch of this rank yields (SPEC §9.5): batches with ``batched``; else samples
+        or, with ``batch_size`` and no ``repeat``, batches × ``batch_size``, so the DataLoader's
+        ``len`` is its batch count. Batch counts need ``num_workers`` (IterableOnly)."""
         if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
             raise IterableOnly("len() counts the batches of an epoch, which depend on the "
                                "DataLoader's worker count (each worker's last batch may be "
                                "short): give StreamingDataset num_workers=N")
-        workers = max(1, self.num_workers)
-        course = resume.Course(self._setup(self.batch_size, workers), self.episodes,
-                               self._frames, resume.Delivered(0))
+        course = resume.Course(self._setup(self.batch_size, max(1, self.num_workers)),
+                               self.episodes, self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
-                     for w in range(workers)]
+                     for w in range(course.setup.num_workers)]
         batches = sum(-(-stop // self.batch_size) for stop in stops)
         return batches if self.batched else batches * self.batch_size
 
@@ -218,10 +215,9 @@ class StreamingDataset(IterableDataset):
         if past and not self.repeat:
             raise UsageError(
                 f"state_dict(samples={samples}): this rank cannot have yielded that many since "
-                f"its position was set (epoch {epoch}, sample {base}): the {started} "
-                f"iterator(s) started since end with epoch {start.epochs[0] + started - 1}. "
-                "samples counts the samples consumed since the last set_epoch or "
-                "load_state_dict (or construction), not since the start of training")
+                f"its position was set (epoch {epoch}, sample {base}): the {started} iterator(s) "
+                f"started since end with epoch {start.epochs[0] + started - 1}. samples counts "
+                "what was consumed since construction, set_epoch or load_state_dict")
         if not (self.repeat or self._history):  # name the epoch in progress
             epoch, base = end.epochs[0], sum(-(-a // batch_size) for a in end.offsets) * batch_size
             samples = 0
@@ -261,8 +257,8 @@ class StreamingDataset(IterableDataset):
         return resume.ResumeSetup(
             seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget, world_size=self.world_size,
-            num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
-            selection=resume.selection_digest(self.episodes, self._frames))
+            num_workers=min(num_workers, self._most_workers), batch_size=batch_size,
+            repeat=self.repeat, selection=resume.selection_digest(self.episodes, self._frames))
 
     # --- iteration ----------------------------------------------------------------------------
 
@@ -288,9 +284,14 @@ class StreamingDataset(IterableDataset):
             delivered = resume.Delivered(min(positions.epochs) + later)
             course = resume.Course(course.setup, self.episodes, self._frames, delivered)
             positions = course.positions(self.rank, 0)
-        logical = (worker + positions.rotation) % num_workers
+        playing = course.setup.num_workers
+        if worker >= playing:  # idle: the DataLoader goes on with the others
+            if worker == playing and self.num_workers is None:
+                _warn_idle(num_workers, playing)
+            return
+        logical = (worker + positions.rotation) % playing
         limits = shard.split_limits(
-            num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
+            playing, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         episodes = course.episodes_from(self.rank, logical, epoch)
@@ -305,9 +306,8 @@ class StreamingDataset(IterableDataset):
                                      else self.decoded_queue_size, self.batched, info is not None)
 
     def _enter(self, info) -> int:
-        """How many iterators started before this one since the position was set. The workers
-        of one DataLoader iterator agree: they share its base seed and, when persistent, their
-        count of iterators, and this writes a whole int64."""
+        """How many iterators started before this one since the position was set; the workers
+        of one DataLoader iterator share its base seed and (persistent) their iterator count."""
         self._iterators += 1
         base = os.getpid() if info is None else info.seed - info.id
         key = hash((base, self._iterators)) % (1 << 30) + 1
@@ -338,6 +338,12 @@ def _digest(history: tuple[resume.Segment, ...]) -> int:
         return 0
     text = repr([tuple(vars(segment).values()) for segment in history]).encode("ascii")
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2 | 1
+
+
+def _warn_idle(num_workers: int, playing: int) -> None:
+    warnings.warn(f"{num_workers} DataLoader workers, but a rank has only {playing} episodes and "
+                  f"a worker streams whole episodes: workers {playing} to {num_workers - 1} stay "
+                  f"idle (num_workers={playing} gives the same batches)", stacklevel=3)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

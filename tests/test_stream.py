@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import multiprocessing
 import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
 from itertools import islice
@@ -660,7 +662,7 @@ def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root
     write_demo_dataset(tmp_path, episode_lengths=(60,) * 5, cameras=())  # 300 frames
     dataset = StreamingDataset(tmp_path, seed=1, batch_size=4)
     with pytest.raises(UsageError, match=r"state_dict\(samples=100000\): this rank cannot have "
-                       r"yielded that many .* not since the start of training"):
+                       r"yielded that many .* since construction, set_epoch or load_state_dict"):
         dataset.state_dict(100000, batch_size=4, num_workers=2)
     whole = dataset.state_dict(300, batch_size=4, num_workers=2)  # the whole epoch: 75 batches
     assert (whole["epoch"], whole["samples"]) == (1, 0)
@@ -673,7 +675,7 @@ def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root
         dataset.set_epoch(epoch)
         epochs.append(_labels(loader))
         steps += len(epochs[0]) if epoch == 0 else 3
-    with pytest.raises(UsageError, match="since the last set_epoch or load_state_dict"):
+    with pytest.raises(UsageError, match="samples counts what was consumed since construction"):
         dataset.state_dict(steps * BATCH, batch_size=BATCH, num_workers=2)
     # README's recipe: the samples of the epoch in progress, set_epoch on resume.
     state = dataset.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2)
@@ -703,3 +705,34 @@ def test_len_tqdm_and_list_of_the_readme_loaders(resume_root, batched):
         len(loader)
     bar = tqdm(loader, file=io.StringIO())
     assert bar.total is None and len(list(bar)) == len(list(loader)) == 15
+
+
+IDLE_SCRIPT = """
+import sys
+from torch.utils.data import DataLoader
+from refstream import StreamingDataset
+dataset = StreamingDataset(sys.argv[1], seed=3, batch_size=2)
+print(sum(len(b["index"]) for b in DataLoader(dataset, batch_size=2, num_workers=5)))
+"""
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create [35] worker processes")
+def test_workers_beyond_the_episodes_stay_idle(tmp_path):
+    write_demo_dataset(tmp_path, episode_lengths=(7, 5, 9), cameras=())
+    options = {"seed": 3, "batch_size": 2}
+    three = _run(StreamingDataset(tmp_path, **options), 3, 2)
+    # The count known at construction: one warning there, the batches of 3 workers.
+    with pytest.warns(UserWarning, match=r"^5 DataLoader workers, but a rank has only 3 "
+                      r"episodes .* workers 3 to 4 stay idle \(num_workers=3 gives the same"):
+        told = StreamingDataset(tmp_path, num_workers=5, **options)
+    assert _run(told, 5, 2) == three and len(told) == 2 * len(three)
+    state = told.state_dict(4 * 2, batch_size=2, num_workers=5)
+    with pytest.warns(UserWarning, match="stay idle"):
+        resumed = StreamingDataset(tmp_path, num_workers=5, **options)
+    resumed.load_state_dict(state, num_workers=5)
+    assert _run(resumed, 5, 2) == three[4:]
+    # Known only to the workers: the first idle one warns, once, and the others go on.
+    done = subprocess.run([sys.executable, "-c", IDLE_SCRIPT, str(tmp_path)], check=True,
+                          capture_output=True, text=True)
+    assert done.stdout.split() == ["21"]
+    assert done.stderr.count("stay idle") == 1, done.stderr
