@@ -736,3 +736,17 @@ def test_workers_beyond_the_episodes_stay_idle(tmp_path):
                           capture_output=True, text=True)
     assert done.stdout.split() == ["21"]
     assert done.stderr.count("stay idle") == 1, done.stderr
+
+
+def test_accelerates_own_loader_resumes_exactly(resume_root):
+    """The test above with accelerate's DataLoaderShard, where accelerate is installed (the
+    LeRobot environment)."""
+    shard_loader = pytest.importorskip("accelerate.data_loader").DataLoaderShard
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    loader = shard_loader(StreamingDataset(resume_root, **options), batch_size=BATCH,
+                          num_workers=2)
+    epoch0, epoch1 = _labels(loader), _labels(loader)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(resumed.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2))
+    loader = shard_loader(resumed, batch_size=BATCH, num_workers=2)
+    assert (_labels(loader), _labels(loader)) == (epoch0[3:], epoch1)
