@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import errors, resume, shard
+from refstream import errors, resume, shard, sidecar
 from refstream.errors import EpisodeTooLarge, IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
@@ -44,6 +44,7 @@ from refstream.rng import MASK64, resolve_seed
 from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
 from refstream.source import open_source
 from refstream.stats import selection_stats
+from refstream.synth import check_frame_rate
 from refstream.windows import check_tolerance, make_windows
 from refstream.worker import Batch, WorkerStream, plan_spans
 
@@ -137,6 +138,9 @@ class StreamingDataset(IterableDataset):
             if self.meta.camera_keys:
                 self.video_index = ensure_index(source, video_relpaths(self.meta),
                                                 lock_timeout_s=self.sidecar_lock_timeout_s)
+                for relpath, record in self.video_index.records.items():  # before any worker
+                    index = sidecar.read_record(record.path, record.size, record.identity, relpath)
+                    check_frame_rate(index.pts, index.timescale, self.meta.fps, relpath)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         # The rank's byte budget; None without cameras (nothing to reserve).

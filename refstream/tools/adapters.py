@@ -38,7 +38,14 @@ from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
 from refstream.source import LocalSource
-from refstream.synth import select_span, serving_samples, span_of, synthesize, synthesized_size
+from refstream.synth import (
+    check_frame_rate,
+    select_span,
+    serving_samples,
+    span_of,
+    synthesize,
+    synthesized_size,
+)
 from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
@@ -401,6 +408,12 @@ def kind_doctor_requests(case: dict) -> dict:
     served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
                              float(case["tolerance_s"]))
     return {"unserved": served.unserved(len(times_s)).tolist()}
+
+
+def kind_frame_rate(case: dict) -> dict:
+    spacing = check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                               case["fps"], "video")
+    return {"spacing_ticks": None if np.isnan(spacing) else spacing}
 
 
 # Kind NAME is answered by kind_NAME.

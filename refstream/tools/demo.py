@@ -635,14 +635,14 @@ class StreamMeasurement:
 def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
             max_samples: int | None = None, progress: bool = True,
             on_batch: Callable[[dict], None] | None = None) -> StreamMeasurement:
-    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader, stopping after
-    exactly ``max_samples`` samples if given (the last batch counted in part); ``on_batch`` sees
-    every collated batch."""
+    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader (of a batched
+    dataset's ready batches: ``batch_size=None``), stopping after exactly ``max_samples`` samples
+    if given (the last batch counted in part); ``on_batch`` sees every batch."""
     import torch
     from tqdm import tqdm
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
-                                         num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None if dataset.batched else
+                                         batch_size, num_workers=num_workers)
     total = dataset.rank_frames * epochs
     with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
               dynamic_ncols=True) as bar:
