@@ -50,8 +50,7 @@ class ShardingError(UsageError):
 
 
 class IterableOnly(UsageError, TypeError):
-    """An index into the streaming dataset, or ``len()`` without what the count needs; a
-    ``TypeError`` too, so ``list()`` and ``tqdm`` go on without a length."""
+    """``dataset[i]``, or a ``len()`` lacking ``num_workers``; a TypeError, so list() goes on."""
 
 
 class ResumeError(UsageError):

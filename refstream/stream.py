@@ -167,9 +167,8 @@ class StreamingDataset(IterableDataset):
         if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
-            raise IterableOnly("len() counts the batches of an epoch, which depend on the "
-                               "DataLoader's worker count (each worker's last batch may be "
-                               "short): give StreamingDataset num_workers=N")
+            raise IterableOnly("len() counts batches, which depend on the DataLoader's worker "
+                               "count (each one's last may be short): give num_workers=N")
         course = resume.Course(self._setup(self.batch_size, max(1, self.num_workers)),
                                self.episodes, self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
@@ -180,9 +179,8 @@ class StreamingDataset(IterableDataset):
         return batches if self.batched else batches * self.batch_size
 
     def __getitem__(self, index):
-        raise IterableOnly(
-            f"StreamingDataset is an iterable dataset, it has no item {index!r}: iterate it "
-            "(a DataLoader over it, or iter(dataset)); LeRobotDataset reads items by index")
+        raise IterableOnly(f"StreamingDataset is an iterable dataset, it has no item {index!r}: "
+                           "iterate it (a DataLoader, or iter(dataset)) instead")
 
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
@@ -345,9 +343,9 @@ def _digest(history: tuple[resume.Segment, ...]) -> int:
 
 
 def _warn_idle(num_workers: int, playing: int) -> None:
-    warnings.warn(f"{num_workers} DataLoader workers, but a rank has only {playing} episodes and "
-                  f"a worker streams whole episodes: workers {playing} to {num_workers - 1} stay "
-                  f"idle (num_workers={playing} gives the same batches)", stacklevel=3)
+    warnings.warn(f"{num_workers} DataLoader workers, but a rank has only {playing} episodes: "
+                  f"workers {playing} to {num_workers - 1} stay idle (num_workers={playing} "
+                  "gives the same batches)", stacklevel=3)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

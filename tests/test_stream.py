@@ -375,7 +375,7 @@ def test_len_is_what_a_rank_yields_in_an_epoch(resume_root, world_size, num_work
 
 def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
     dataset = StreamingDataset(resume_root, rank=0, world_size=2, batch_size=4)
-    with pytest.raises(IterableOnly, match="give StreamingDataset num_workers=N"):
+    with pytest.raises(IterableOnly, match="worker count .* give num_workers=N"):
         len(dataset)
     dataset = StreamingDataset(resume_root, batch_size=4, num_workers=2)
     with pytest.raises(UsageError, match="num_workers=2"):
@@ -723,7 +723,7 @@ def test_workers_beyond_the_episodes_stay_idle(tmp_path):
     three = _run(StreamingDataset(tmp_path, **options), 3, 2)
     # The count known at construction: one warning there, the batches of 3 workers.
     with pytest.warns(UserWarning, match=r"^5 DataLoader workers, but a rank has only 3 "
-                      r"episodes .* workers 3 to 4 stay idle \(num_workers=3 gives the same"):
+                      r"episodes: workers 3 to 4 stay idle \(num_workers=3 gives the same"):
         told = StreamingDataset(tmp_path, num_workers=5, **options)
     assert _run(told, 5, 2) == three and len(told) == 2 * len(three)
     state = told.state_dict(4 * 2, batch_size=2, num_workers=5)
