@@ -49,6 +49,10 @@ class ShardingError(UsageError):
     """A topology cannot be served, e.g. fewer episodes on a rank than DataLoader workers."""
 
 
+class IterableOnly(UsageError, TypeError):
+    """``dataset[i]``, or a ``len()`` lacking ``num_workers``; a TypeError, so list() goes on."""
+
+
 class ResumeError(UsageError):
     """A ``state_dict`` cannot be resumed (malformed, or not a whole number of batches)."""
 
