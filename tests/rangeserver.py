@@ -59,12 +59,15 @@ answers.
 Bounded: daemon threads, at most ``max_requests`` served (later requests get a 503 and
 ``overflowed`` is set), waits end at :meth:`stop`. A handler thread ends once its client closes
 the connection, so joining the threads a test started the server's work with is how a test
-waits until every connection is closed on both sides.
+waits until every connection is closed on both sides. :meth:`stop` closes the server's side of
+every connection still open and waits for its thread: nothing of a stopped server is left to
+close later, whenever its clients are collected.
 """
 
 from __future__ import annotations
 
 import calendar
+import contextlib
 import hashlib
 import json
 import math
@@ -190,6 +193,7 @@ class RangeServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
+        self._httpd.close_connections(timeout_s=5)
 
     def script(self, *modes: str) -> None:
         """Apply these modes to the next requests, in order (before any random fault)."""
@@ -298,6 +302,27 @@ class RangeServer:
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the default 5 drops bursts of SYNs: a 1 s resend each
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.connections: list[tuple[socket.socket, threading.Thread]] = []  # with their threads
+
+    def process_request(self, request, client_address) -> None:
+        """Serve the connection on a thread of its own, kept with it for close_connections."""
+        thread = threading.Thread(target=self.process_request_thread,
+                                  args=(request, client_address), daemon=True)
+        self.connections = [(r, t) for r, t in self.connections if t.is_alive()]
+        self.connections.append((request, thread))
+        thread.start()
+
+    def close_connections(self, timeout_s: float) -> None:
+        """Once nothing is accepted any more: shut every connection still open, so its handler
+        reads the end of the stream, and wait until its thread has closed it."""
+        for request, _ in self.connections:
+            with contextlib.suppress(OSError):  # already closed by its handler
+                request.shutdown(socket.SHUT_RDWR)
+        for _, thread in self.connections:
+            thread.join(timeout_s)
 
     def handle_error(self, request, client_address) -> None:
         """A client that gave up (timeout, retry) breaks the pipe: expected here, not news."""

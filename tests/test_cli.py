@@ -126,7 +126,7 @@ def test_an_error_from_a_worker_reaches_python_as_one_line(dataset):
     with pytest.raises(EpisodeTooLarge) as raised:
         next(iter(loader))
     message = str(raised.value)
-    assert "\n" not in message and message.endswith("(in DataLoader worker 0)")
+    assert "\n" not in message and message.endswith("(in DataLoader worker process 0)")
     assert message.startswith("episode ")
     assert "Traceback" in raised.value.worker_traceback
 
