@@ -74,7 +74,7 @@ def _end_training(accelerator) -> None:
 
     Once the process group is destroyed, freeing DDP's reducer (when LeRobot's ``train``
     returns) can wait forever in the gloo process group's destructor after a peer has exited
-    (torch 2.13, seen here): the run is over, so the process exits before that."""
+    (torch 2.13 with gloo): the run is over, so the process exits before that."""
     _ORIGINAL_END(accelerator)
     if accelerator.num_processes > 1:
         logging.shutdown()
