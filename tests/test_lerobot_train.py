@@ -63,25 +63,28 @@ def steps(probe: Path, rank: int = 0) -> list[dict]:
 
 
 def test_resume_takes_the_batches_the_uninterrupted_run_took(dataset, env, tmp_path):
-    # Episode 0 alone (30 frames): an epoch is 4 batches (8, 8, 8, 6), so 6 steps cross into
-    # epoch 1; checkpoints after steps 2 (inside the epoch) and 4 (at its end).
+    # Episode 0 alone (30 frames): an epoch is 4 batches (8, 8, 8, 6), so 10 steps play epochs
+    # 0, 1 and half of 2; checkpoints after steps 2 (inside an epoch) and 4 (at its end).
     out = tmp_path / "out"
     output = run([sys.executable, str(PROBE), str(tmp_path / "whole"), *TINY_ACT,
                   f"--dataset.root={dataset}", "--dataset.repo_id=local/lr_av1",
-                  "--dataset.episodes=[0]", "--num_workers=2", "--steps=6", "--save_freq=2",
+                  "--dataset.episodes=[0]", "--num_workers=2", "--steps=10", "--save_freq=2",
                   f"--output_dir={out}"], env, tmp_path)
     assert "1 DataLoader worker(s) instead of --num_workers=2" in output
     whole = steps(tmp_path / "whole")
-    assert len(whole) == 6
-    assert [len(step["index"]) for step in whole[:4]] == [8, 8, 8, 6]
-    epoch = sorted(i for step in whole[:4] for i in step["index"])
-    assert epoch == list(range(30))  # every frame of the episode once
-    assert whole[4]["index"] != whole[0]["index"]  # epoch 1 has its own order
+    assert len(whole) == 10
+    assert [len(step["index"]) for step in whole] == [8, 8, 8, 6] * 2 + [8, 8]
+    for epoch in (whole[:4], whole[4:8]):  # every frame of the episode once, in its own order
+        assert sorted(i for step in epoch for i in step["index"]) == list(range(30))
+    assert len({tuple(step["index"]) for step in whole[::4]}) == 3
     assert all(step["episode"] == [0] * len(step["index"]) for step in whole)
     assert all(step["action"][1:] == [4, 6] for step in whole)  # ACT's delta_timestamps
     state = json.loads((out / "checkpoints/000002/training_state/refstream_data.json")
                        .read_text())
     assert (state["seed"], state["samples"], state["num_workers"]) == (1, 2 * BATCH, 1)
+    state = json.loads((out / "checkpoints/000004/training_state/refstream_data.json")
+                       .read_text())
+    assert (state["epoch"], state["samples"]) == (1, 0)  # after an epoch's last batch: the next
     for step in (2, 4):
         config = out / f"checkpoints/{step:06d}/pretrained_model/train_config.json"
         run([sys.executable, str(PROBE), str(tmp_path / f"from{step}"),

@@ -158,7 +158,9 @@ _ORIGINAL_END = accelerate.Accelerator.end_training
 
 class _Loader:
     """A StreamingDataset's DataLoader as the trainer gets it back from accelerate: the rank's
-    own batches; each pass after the first is the next epoch; it counts the batches taken."""
+    own batches, counted; each pass after the first plays the next epoch. The dataset moves to
+    that epoch as the last batch of a pass is handed out, so a checkpoint taken after it resumes
+    into the next epoch (one batch is read ahead to know which batch is the last)."""
 
     def __init__(self, loader) -> None:
         self.loader, self.dataset = loader, loader.dataset
@@ -166,17 +168,22 @@ class _Loader:
         # The epoch the dataset stands in (0, or a loaded checkpoint's).
         self.epoch = self.dataset.state_dict(0, batch_size=loader.batch_size,
                                              num_workers=self.workers)["epoch"]
-        self.passes = 0
         self.batches = 0  # taken since the dataset's position was last set
 
     def __iter__(self) -> Iterator:
-        if self.passes:
-            self.epoch += 1
-            self.dataset.set_epoch(self.epoch)
-            self.batches = 0
-        self.passes += 1
-        for batch in self.loader:
+        batches = iter(self.loader)
+        batch = next(batches, None)
+        while batch is not None:
+            following = next(batches, None)
+            if following is None:
+                break
             self.batches += 1
+            yield batch
+            batch = following
+        self.epoch += 1
+        self.dataset.set_epoch(self.epoch)
+        self.batches = 0
+        if batch is not None:
             yield batch
 
     def state_dict(self) -> dict:
