@@ -112,6 +112,7 @@ class StreamingDataset(IterableDataset):
         self.decoded_queue_size = decoded_queue_size
         self.video_decoder_cache_size = video_decoder_cache_size
         self.return_uint8 = return_uint8
+        self.delta_timestamps = delta_timestamps  # as given, like LeRobotDataset's
         self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size

@@ -117,6 +117,8 @@ def dataset(tmp_path, monkeypatch):
 
 def test_the_dataset_answers_what_lerobots_does(dataset):
     info = json.loads((ROOT / "meta" / "info.json").read_text())
+    for feature in info["features"].values():  # LeRobot's DatasetInfo makes shapes tuples
+        feature["shape"] = tuple(feature["shape"])
     full, some = dataset(), dataset(episodes=[1, 3])
     assert (full.fps, full.features, full.camera_keys) == (
         info["fps"], info["features"],
