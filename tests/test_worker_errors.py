@@ -208,10 +208,11 @@ def test_a_failing_dataset_raises_the_same_error_in_a_worker(name, batched, pris
         dataset = StreamingDataset(case.url, seed=0, batch_size=2, batched=batched,
                                    episode_pool_size=1, prefetch_episodes=0,
                                    **(failure.options or {}))
-        if failure.prepare:
-            failure.prepare(dataset)
         raised = []
         for num_workers in (0, 1):
+            dataset.set_epoch(0)  # both runs play the same epoch, so fail at the same place
+            if failure.prepare:
+                failure.prepare(dataset)
             if failure.after and (failure.http or num_workers == 0):
                 failure.after(case)  # a scripted fault is used up by the run
             raised.append(first_error(DataLoader(dataset, batch_size=None if batched else 2,
