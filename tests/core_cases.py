@@ -91,6 +91,18 @@ CASES = [
      {**_rng(5, [], [0], 2, []), "labels": [False]}, {"error": "UsageError"}),
     ("rng", "permutation-negative-id", "rng", "a negative id cannot be permuted",
      _rng(5, [], [0], 2, [3, -1, 4]), {"error": "UsageError"}),
+    ("rng", "index-top", "rng", "index 2^64 - 1, the largest: word 2^64 of the generator",
+     _rng(42, ["admit"], [M64 - 1, 0], 3, [0]), None),
+    ("rng", "index-negative", "rng", "index -1 is out of [0, 2^64), not word 2^64 - 1",
+     _rng(42, ["admit"], [0, -1], 3, [0]), {"error": "UsageError"}),
+    ("rng", "index-2-to-the-64", "rng", "index 2^64 is out of [0, 2^64), not word 0",
+     _rng(42, ["admit"], [M64], 3, [0]), {"error": "UsageError"}),
+    ("rng", "index-not-an-integer", "rng", "an index that is a JSON number (1.5) is refused",
+     {**_rng(42, ["admit"], [0], 3, [0]), "indices": ["0", 1.5]}, {"error": "UsageError"}),
+    ("rng", "permutation-duplicate-id", "rng", "ids must be distinct: 3 twice is refused",
+     _rng(5, [], [0], 2, [3, 1, 3]), {"error": "UsageError"}),
+    ("rng", "permutation-non-integer-id", "rng", "an id that is not an integer (1.5) is refused, "
+     "not truncated", _rng(5, [], [0], 2, [0, 1.5, 2]), {"error": "UsageError"}),
     # --- shard ---
     ("shard", "lpt-reference-vector", "shard", "LeRobot's test: {0:100,1:90,2:20,3:10,4:5} over 2",
      {"episodes": [0, 1, 2, 3, 4], "frames": [100, 90, 20, 10, 5], "world_size": 2,
