@@ -37,7 +37,7 @@ from pathlib import Path
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # A case that makes an implementation run longer than this fails instead of hanging the runner.
 CASE_TIMEOUT_S = 120
-# Characters of a failing command's standard error shown with its failure.
+# Characters of a failing command's standard error shown with its failure, on its one line.
 STDERR_TAIL = 300
 
 
@@ -91,11 +91,12 @@ def first_difference(expected, actual, where: str = "") -> str | None:
     """The first place where two JSON values differ, or None when they are equal (README.md,
     "Comparing answers"): same keys, same lengths, numbers by value, a boolean never a number."""
     if isinstance(expected, dict) and isinstance(actual, dict):
-        for key in sorted(set(expected) | set(actual)):
+        # "error" first: an error where an answer was expected (or none where one was) says so.
+        for key in sorted(set(expected) | set(actual), key=lambda k: (k != "error", k)):
             if key not in actual:
-                return f"{where}.{key}: missing"
+                return f"{where}.{key}: missing (expected {_short(expected[key])})"
             if key not in expected:
-                return f"{where}.{key}: unexpected key"
+                return f"{where}.{key}: unexpected key (got {_short(actual[key])})"
             found = first_difference(expected[key], actual[key], f"{where}.{key}")
             if found:
                 return found
@@ -163,7 +164,8 @@ def via_command(command: str, root: Path = FIXTURES) -> Callable[[Case], dict]:
         except OSError as exc:
             raise Failed(f"cannot start {argv[0]!r}: {exc}") from None
         if done.returncode != 0:
-            tail = done.stderr.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
+            lines = done.stderr.decode("utf-8", "replace").split("\n")
+            tail = " | ".join(line.strip() for line in lines if line.strip())[-STDERR_TAIL:]
             raise Failed(f"exit status {done.returncode}: {tail}")
         return parse_answer(done.stdout)
 
