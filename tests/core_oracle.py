@@ -260,6 +260,8 @@ def run_topology(inp, first, seen, world, workers, batch, batches):
 
 def expected_elastic(inp: dict) -> dict:
     """Every new worker's anchors of the rest of the epochs in progress (SPEC §3.9)."""
+    if inp.get("byte_budget") is not None and inp.get("byte_sizes") is None:
+        return {"error": "UsageError"}  # the old admissions cannot be replayed
     topologies = [*(h[:3] for h in inp["history"]),
                   (inp["world_size"], inp["num_workers"], inp["batch_size"])]
     for world, workers, _ in topologies:  # ordinary epochs need every share non-empty
