@@ -1,6 +1,6 @@
 // A conformance implementation of the rng kind (SPEC §1), written from spec/ alone: Node.js,
 // standard library only. Run inside fixtures/ by the runner, one process per case:
-//     refstream conformance --fixtures spec/fixtures --impl "node ../example/rng.mjs" --kind rng
+//     python3 spec/run.py --impl "node ../example/rng.mjs" --kind rng
 // Any other kind is answered with a name no case expects, so its cases fail.
 import { readFileSync } from "node:fs";
 
