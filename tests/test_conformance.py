@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import wrong_adapter
 from broken_adapter import corrupt
 
 from refstream import errors
@@ -140,6 +141,19 @@ def test_the_runner_reports_a_command_that_gives_no_answer(tmp_path):
         script.write_text(body)
         outcome = runner.judge(case, runner.via_command(f"{sys.executable} {script}", FIXTURES))
         assert outcome.difference.startswith(said)
+
+
+@pytest.mark.parametrize("point", sorted(wrong_adapter.WRONG))
+def test_each_settled_point_fails_under_a_wrong_choice(point, monkeypatch):
+    # The cases that pin a point pass with refstream's adapter and fail, every one, with the
+    # adapter that answers that one point another way.
+    names, patch = wrong_adapter.WRONG[point]
+    runner = conformance.load_runner()
+    cases = runner.load_cases(FIXTURES, [], names)
+    assert len(cases) == len(names)
+    assert [o.difference for o in runner.run(cases, conformance.in_process)] == [None] * len(names)
+    patch(monkeypatch)
+    assert all(o.difference for o in runner.run(cases, conformance.in_process))
 
 
 def test_first_difference_names_the_path():
