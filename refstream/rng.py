@@ -10,8 +10,8 @@ language reproduces it; numpy's generators are never used. Use::
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
 The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
-like the definition, and equal the plain-integer form ``u64``. A seed, label, ``n`` or id outside
-SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
+like the definition, and equal the plain-integer form ``u64``. A seed, label, index, ``n`` or id
+outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -109,11 +109,10 @@ def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """``ids`` (distinct non-negative integers, else UsageError) in the keyed order of SPEC §1.3,
     as ``int64``."""
     ids = np.asarray(ids)
-    if ids.size and ids.dtype.kind not in "iu":
-        raise UsageError(f"permutation ids must be integers, got an array of {ids.dtype}")
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+        raise UsageError(f"permutation ids must be non-negative integers, got {ids.dtype} ids "
+                         f"as low as {ids.min()}")
     ids = ids.astype(np.int64)
-    if ids.size and ids.min() < 0:
-        raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")
     # lexsort sorts by its last key first: primary u64(key, id), then id, so equal ids meet.
     order = ids[np.lexsort((ids, u64_array(key, ids)))]
     repeated = order[1:][order[1:] == order[:-1]]
