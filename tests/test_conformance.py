@@ -129,6 +129,7 @@ def test_the_runner_selects_cases_by_kind_and_name():
     assert [c.name for c in named][-1] == "rng/null-seed-is-42"
     assert {c.name.split("/")[0] for c in named} == {"meta", "rng"}
     assert len(named) == 1 + sum(c.name.startswith("meta/valid-") for c in CASES)
+    assert runner.main(["--impl", "true", "--kind", "no-such-kind"]) == 2  # selects no case
 
 
 def test_the_runner_reports_a_command_that_gives_no_answer(tmp_path):
