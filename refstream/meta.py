@@ -225,10 +225,12 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
 
 def _read_info(source: Source) -> tuple[dict, list[str]]:
     """The ``info.json`` object and its camera keys, after SPEC §4.2's checks in their order."""
-    try:
-        info = json.loads(source.read_bytes(INFO_PATH))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedDataset(f"{INFO_PATH}: not valid JSON ({exc})") from exc
+    try:  # UTF-8 without a byte-order mark; NaN and Infinity are no JSON (RFC 8259)
+        info = json.loads(source.read_bytes(INFO_PATH).decode("utf-8"),
+                          parse_constant=_not_json)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedDataset(f"{INFO_PATH}: not valid JSON ({exc}); it must be UTF-8 JSON "
+                               "(RFC 8259) without a byte-order mark") from exc
     if not isinstance(info, dict):
         raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
     _check_version(info)
@@ -262,6 +264,11 @@ def _is_depth(feature: dict) -> bool:  # whether LeRobot counts it among its dep
     groups = [feature.get("info"), feature.get("video_info")]
     return any(isinstance(group, dict) and any(group.get(flag) for flag in _DEPTH_FLAGS)
                for group in groups)
+
+
+def _not_json(token: str) -> None:
+    """Python's json reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON has no such tokens."""
+    raise ValueError(f"{token} is not a JSON value")
 
 
 def _check_version(info: dict) -> None:
@@ -477,8 +484,9 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         raise MalformedDataset(f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are "
                                f"not 0..{len(index) - 1}")
     total = info.get("total_tasks")
-    if total is not None and total != len(index):
+    integer = isinstance(total, int) and not isinstance(total, bool)
+    if total is not None and not (integer and total == len(index)):
         raise MalformedDataset(f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks "
-                               f"is {total}")
+                               f"is {total!r} (it must be the integer {len(index)} or absent)")
     rows = sorted(zip(index.tolist(), table["task"].to_pylist(), strict=True))
     return [text for _, text in rows]  # by task_index, a permutation of 0 … n-1

@@ -10,8 +10,8 @@ language reproduces it; numpy's generators are never used. Use::
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
 The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
-like the definition, and equal the plain-integer form ``u64``. A seed, label, ``n`` or id outside
-SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
+like the definition, and equal the plain-integer form ``u64``. A seed, label, index, ``n`` or id
+outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ def label_words(label: int | str) -> list[int]:
     return words
 
 
+def _check_word(value: int, what: str) -> int:
+    """``value`` if it is an integer in ``[0, 2⁶⁴)`` (a bool is not), else UsageError naming
+    ``what``: the domain of a seed and of an index (SPEC §1.2, §1.3)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MASK64:
+        raise UsageError(f"{what} must be an integer in [0, 2**64), got {value!r}")
+    return value
+
+
 def resolve_seed(seed: int | None) -> int:
     """``seed``, or :data:`DEFAULT_SEED` when it is None (SPEC §1.2); UsageError for a bad seed."""
     return DEFAULT_SEED if seed is None else derive_key(seed)  # no labels: the seed itself
@@ -68,9 +76,7 @@ def resolve_seed(seed: int | None) -> int:
 
 def derive_key(seed: int, *labels: int | str) -> int:
     """The key of ``labels`` under ``seed`` (SPEC §1.2); UsageError for a bad seed or label."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK64:
-        raise UsageError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return extend_key(seed, *labels)
+    return extend_key(_check_word(seed, "seed"), *labels)
 
 
 def extend_key(key: int, *labels: int | str) -> int:
@@ -82,8 +88,8 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 
 def u64(key: int, i: int) -> int:
-    """Word ``i`` (``i ≥ 0``) of the stream of ``key`` (SPEC §1.3)."""
-    return mix64(key + (i + 1) * GOLDEN_GAMMA)
+    """Word ``i`` (``0 ≤ i < 2⁶⁴``, else UsageError) of the stream of ``key`` (SPEC §1.3)."""
+    return mix64(key + (_check_word(i, "an RNG index") + 1) * GOLDEN_GAMMA)
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
@@ -100,9 +106,17 @@ def below(n: int, key: int, i: int) -> int:
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``ids`` (distinct, non-negative) in the keyed order of SPEC §1.3, as ``int64``."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and ids.min() < 0:
-        raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")
-    # lexsort sorts by its last key first: primary u64(key, id), ties (never seen) by id.
-    return ids[np.lexsort((ids, u64_array(key, ids)))]
+    """``ids`` (distinct non-negative integers, else UsageError) in the keyed order of SPEC §1.3,
+    as ``int64``."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+        raise UsageError(f"permutation ids must be non-negative integers, got {ids.dtype} ids "
+                         f"as low as {ids.min()}")
+    ids = ids.astype(np.int64)
+    # lexsort sorts by its last key first: primary u64(key, id), then id, so equal ids meet.
+    order = ids[np.lexsort((ids, u64_array(key, ids)))]
+    repeated = order[1:][order[1:] == order[:-1]]
+    if repeated.size:
+        raise UsageError(f"permutation ids must be distinct, {sorted(set(repeated.tolist()))} "
+                         "occur more than once")
+    return order

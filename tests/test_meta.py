@@ -418,6 +418,11 @@ ERROR_REASONS = {
     "selection-boolean": "must be integers, got [True]",
     "selection-not-an-integer": "must be integers, got [1.5]",
     "unsupported-storage-format-null": "unknown storage_format None",
+    "malformed-info-nan-token": "NaN is not a JSON value",
+    "malformed-info-infinity-token": "-Infinity is not a JSON value",
+    "malformed-info-byte-order-mark": "BOM",
+    "malformed-float-task-index": "column 'task_index' has type double",
+    "malformed-total-tasks-written-as-float": "total_tasks is 2.0",
 }
 
 
