@@ -57,6 +57,8 @@ class _Video:
     start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
     serving_pts: np.ndarray  # int64 source ticks of the frame serving each row's time
     stsd: bytes  # the source's sample description: videos with the same one share a decoder
+    keyframes: np.ndarray  # source ticks of the span's keyframes
+    demand: dict[int, int]  # source ticks -> requests of the episode's anchors not yet decoded
 
 
 @dataclass
@@ -231,10 +233,14 @@ class WorkerStream:
 
     def _decode(self, made: _Group) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
-        own decoders), then free the episodes they finish."""
+        own decoders), then free the episodes they finish. Decoded frames are kept for later
+        anchors in what the budget's reservations leave (SPEC §9.3)."""
         for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
             self._gather(made, slot)
             self.in_flight[episode] -= 1
+        room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
+        for decoders in self.decoders:
+            decoders.fit(room // len(self.decoders))
         futures = [self.decode_pool.submit(self._decode_part, made, thread)
                    for thread in range(1, len(self.decoders))]
         self._decode_part(made, 0)
@@ -271,9 +277,10 @@ class WorkerStream:
         """Decode the group's requests that go to the decoders of ``thread``."""
         for slot, episode, camera, video, pts in made.requests:
             if (episode + self.cameras.index(camera)) % len(self.decoders) == thread:
-                decoder = self.decoders[thread].decoder((episode, camera), video.mp4,
-                                                        video.start_pts, video.stsd)
-                decoder.frames(pts, out=made.frames[camera][slot].numpy())
+                decoders = self.decoders[thread]
+                decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
+                                           video.stsd, video.keyframes, video.demand)
+                decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -368,11 +375,18 @@ class WorkerStream:
                                              span.byte_offset, span.byte_length)
             mp4 = synth.synthesize(sample_index, span, payload)
             self.budget.mark_resident(episode, len(mp4))
-            pts = sample_index.pts[span.sample_lo:span.sample_hi + 1].astype(np.int64)
+            samples = slice(span.sample_lo, span.sample_hi + 1)
+            pts = sample_index.pts[samples].astype(np.int64)
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.ds.tolerance_s, f"episode {episode} camera {camera}")
-            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd)
+            offsets, length = self.offsets.get(camera, np.zeros(1, np.int64)), len(timestamps)
+            requested = np.concatenate([window_rows(offsets, anchor, length)[0]
+                                        for anchor in range(length)])
+            served, counts = np.unique(pts[chosen][requested], return_counts=True)
+            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
+                                    pts[sample_index.keyframe[samples]],
+                                    dict(zip(served.tolist(), counts.tolist(), strict=True)))
         return videos
 
     def close(self) -> None:

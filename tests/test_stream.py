@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import refstream.decode
 import refstream.worker
 from refstream.budget import ByteBudget
 from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
@@ -245,6 +246,27 @@ def test_main_process_equals_one_worker_and_order_is_deterministic(dataset_root)
     in_process = order(0)
     assert in_process == order(1)
     assert in_process != sorted(in_process)  # shuffled
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_workers):
+    # Every frame is some anchor's (windows clamp at the edges), so keeping the frames later
+    # anchors want decodes each GOP once: as many frames as the cameras hold, long GOPs too.
+    decoded = multiprocessing.Value("q", 0)
+
+    class Counted(refstream.decode.EpisodeDecoder):
+        def close(self) -> None:
+            with decoded.get_lock():
+                decoded.value += self.decoded_frames
+            self.decoded_frames = 0
+            super().close()
+
+    monkeypatch.setattr(refstream.decode, "EpisodeDecoder", Counted)
+    dataset = StreamingDataset(dataset_root, delta_timestamps=WINDOWS, seed=4, batch_size=4,
+                               batched=True, num_workers=num_workers)
+    batches = _items(dataset, num_workers=num_workers)
+    assert sum(len(b["index"]) for b in batches) == sum(LENGTHS)
+    assert decoded.value == sum(LENGTHS) * len(SIZES)
 
 
 def test_budget_is_respected_and_sampled(dataset_root, budgets):
