@@ -215,7 +215,6 @@ class WorkerStream:
             self.planner.drain_events()
             anchors = self.planner.remaining if stop is None else max(0, stop - offset)
             to_admit = deque(self.planner.resident)
-            self._prefetch()
             for _ in range(anchors):
                 while to_admit:
                     while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
@@ -226,8 +225,6 @@ class WorkerStream:
                 to_admit.extend(admitted)
                 self.drained.update(evicted)
                 self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-                if admitted:
-                    self._prefetch()
                 yield episode, frame
             yield None
 
@@ -254,8 +251,7 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
-        if finished:
-            self._prefetch()
+        self._prefetch()  # after the group: the first waits for no frontier episode
 
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
@@ -380,9 +376,8 @@ class WorkerStream:
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.ds.tolerance_s, f"episode {episode} camera {camera}")
-            offsets, length = self.offsets.get(camera, np.zeros(1, np.int64)), len(timestamps)
-            requested = np.concatenate([window_rows(offsets, anchor, length)[0]
-                                        for anchor in range(length)])
+            anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
+            requested = window_rows(self.offsets.get(camera, [0]), anchors, len(anchors))[0]
             served, counts = np.unique(pts[chosen][requested], return_counts=True)
             videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
                                     pts[sample_index.keyframe[samples]],

@@ -269,6 +269,32 @@ def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_w
     assert decoded.value == sum(LENGTHS) * len(SIZES)
 
 
+def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch):
+    # The pool's episodes are fetched first; the frontier is prefetched once a group is decoded.
+    events = []
+    stream = refstream.worker.WorkerStream
+    fetch, decode_part = stream._fetch, stream._decode_part
+
+    def fetched(self, episode):
+        events.append(episode)
+        return fetch(self, episode)
+
+    def decoded(self, made, thread):
+        events.append("decode")
+        decode_part(self, made, thread)
+
+    monkeypatch.setattr(stream, "_fetch", fetched)
+    monkeypatch.setattr(stream, "_decode_part", decoded)
+    dataset = StreamingDataset(dataset_root, seed=2, episode_pool_size=2, prefetch_episodes=3,
+                               batch_size=4, batched=True)
+    batches = iter(DataLoader(dataset, batch_size=None, num_workers=0))
+    first = next(batches)
+    assert set(events[:events.index("decode")]) == set(first["episode_index"].tolist())
+    assert len(set(first["episode_index"].tolist())) == 2  # the pool, no frontier episode
+    assert sum(len(b["index"]) for b in batches) + len(first["index"]) == sum(LENGTHS)
+    assert len([e for e in events if e != "decode"]) == len(LENGTHS)  # each fetched once
+
+
 def test_budget_is_respected_and_sampled(dataset_root, budgets):
     files = list((dataset_root / "videos").rglob("*.mp4"))
     budget = sum(p.stat().st_size for p in files) // 2  # about three episodes of six
