@@ -54,7 +54,7 @@ class EpisodeDecoder:
                  keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self.demand = demand  # source pts -> requests still to come (None: keep nothing)
-        self._keyframes = sorted(int(k) - start_pts for k in keyframes)  # local ticks
+        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
         self.kept_bytes = 0
@@ -140,8 +140,7 @@ class EpisodeDecoder:
         """The last frame to decode: the last ``missing`` one, or past it the last frame of its
         GOP a later request wants, as far as ``room`` keeps them."""
         last = max(missing)
-        after = bisect_right(self._keyframes, last)
-        end = self._keyframes[after] if after < len(self._keyframes) else math.inf
+        end = self._keyframes[bisect_right(self._keyframes, last)]  # the next GOP's start
         ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
                                            bisect_left(self._demanded, end)]
                  if p not in self.kept and self._wanted_later(p)]

@@ -53,12 +53,11 @@ def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: in
 def window_rows(offsets: np.ndarray, frame: int | np.ndarray,
                 length: int) -> tuple[np.ndarray, np.ndarray]:
     """Episode-local rows (int64) and pad mask (bool) of one anchor ``frame`` (SPEC §5.2), or
-    one row of each per anchor of an array of them."""
-    outside = np.flatnonzero((np.ravel(frame) < 0) | (np.ravel(frame) >= length))
-    if len(outside):
-        raise UsageError(f"anchor frame {np.ravel(frame)[outside[0]]} is outside an episode of "
-                         f"{length} frames")
-    target = np.asarray(frame, dtype=np.int64)[..., None] + np.asarray(offsets, dtype=np.int64)
+    of each of an array of anchors (a row of each per anchor)."""
+    anchors = np.asarray(frame, dtype=np.int64)
+    if np.any((anchors < 0) | (anchors >= length)):
+        raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
+    target = anchors[..., None] + np.asarray(offsets, dtype=np.int64)
     return np.clip(target, 0, length - 1), (target < 0) | (target >= length)
 
 

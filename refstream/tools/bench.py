@@ -17,11 +17,14 @@ a fraction of a second, so it is repeated until the repeats last ``ceiling_s`` (
 least ``repeats``) and each of its figures is the median over them. Figures, over the
 second half of each pass (steady state), medians over repeats: samples/s; CPU ms per sample of
 the consuming thread and the workers, split into ``decode+RGB`` (the ceiling's), ``loader`` (the
-rest) and ``collate`` (the DataLoader's collation, part of the loader's); time to the first
+rest) and ``collate`` (the DataLoader's collation, part of the loader's); decoding scales with
+the amplification, RGB conversion with the frames delivered; time to the first
 batch; peak RSS (sampled through the pass) and PSS (at its first batch and end) above the main
 process's; decode amplification (decoded ÷ delivered frames); the server's requests and bytes
-against the minimal spans. Then planner figures for a DROID-sized rank, and the targets. The
-machine's other work shows in every figure.
+against the minimal spans. The memory table: for each worker count, byte budget and pool
+size of ``BenchConfig``, the peak total PSS of a new training process streaming one epoch and
+its workers. Then planner figures for a DROID-sized rank, and the targets (n/a where made for
+another run). The machine's other work shows in every figure.
 """
 
 from __future__ import annotations
