@@ -127,9 +127,8 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     assert all(method["loader_cpu_ms"] >= 0 for method in methods.values())
     # The memory table's row in --quick: the named configuration, in a process of its own.
     (row,) = report["memory_table"]
-    assert (row["workers"], row["budget_gb"], row["pool"]) == (bench.MEMORY_WORKERS,
-                                                               bench.MEMORY_BUDGET_GB,
-                                                               bench.MEMORY_POOL)
+    assert (row["workers"], row["budget_gb"], row["pool"], row["uint8"]) == (
+        bench.MEMORY_WORKERS, bench.MEMORY_BUDGET_GB, bench.MEMORY_POOL, True)
     assert 0 < row["pss_bytes"] < methods["refstream-http"]["passes"][0]["peak_rss_above_bytes"] \
         + 2 * 1024**3
 
