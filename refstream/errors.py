@@ -49,6 +49,10 @@ class ShardingError(UsageError):
     """A topology cannot be served, e.g. fewer episodes on a rank than DataLoader workers."""
 
 
+class IterableOnly(UsageError, TypeError):
+    """``dataset[i]``, or a ``len()`` lacking ``num_workers``; a TypeError, so list() goes on."""
+
+
 class ResumeError(UsageError):
     """A ``state_dict`` cannot be resumed (malformed, or not a whole number of batches)."""
 
@@ -127,6 +131,22 @@ class PayloadChanged(FetchError):
 
 class RetriesExhausted(FetchError):
     """A transient failure persisted through every retry (the last cause is chained)."""
+
+
+class RateLimited(FetchError):
+    """A server's rate limit resets later than a request may wait (names quota and reset)."""
+
+
+class HubAuthError(FetchError):
+    """The Hub wants a token it was not given, refused the one given, or gates the dataset."""
+
+
+class HubRepoNotFound(FetchError):
+    """No such dataset on the Hub, or none the token can see (names the repository)."""
+
+
+class HubRevisionNotFound(FetchError):
+    """The dataset has no such branch, tag or commit (names the revision and the repository)."""
 
 
 # --- the byte budget -----------------------------------------------------------------------

@@ -37,9 +37,9 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def open_source(root: str | Path, **http_options) -> Source:
-    """The source for a dataset root: a folder, ``file://``, ``http(s)://`` or ``hf://``;
-    ``http_options`` (timeouts, ``retry``, …) are :class:`refstream.http.HTTPSource` arguments,
-    which a local root ignores."""
+    """The source for a dataset root: a folder (``~`` expanded), ``file://``, ``http(s)://``
+    or ``hf://``; ``http_options`` (timeouts, ``retry``, …) are
+    :class:`refstream.http.HTTPSource` arguments, which a local root ignores."""
     from refstream import http, hub  # they build on this module
 
     text = str(root)
@@ -48,13 +48,16 @@ def open_source(root: str | Path, **http_options) -> Source:
     if text.startswith(("http://", "https://")):
         return http.HTTPSource(text, **http_options)
     if text.startswith("file://"):
-        return LocalSource(unquote(urlsplit(text).path))
-    if "://" in text:
+        text = unquote(urlsplit(text).path)
+    elif "://" in text:
         raise UsageError(f"{text!r}: unsupported root (folder, file://, http(s)://, hf://)")
-    if not os.path.exists(text) and _REPO_ID.fullmatch(text):
-        raise UsageError(f"{text!r} is not a folder here; a dataset on the Hugging Face Hub "
-                         f"is written hf://datasets/{text}")
-    return LocalSource(text)
+    folder = os.path.expanduser(text)
+    if not os.path.isdir(folder):
+        where = f" ({folder})" if folder != text else ""
+        hub = (f"; a dataset on the Hugging Face Hub is written hf://datasets/{text}"
+               if _REPO_ID.fullmatch(text) else "")
+        raise UsageError(f"{text!r}: no such folder{where}{hub}")
+    return LocalSource(folder)
 
 
 class Source:

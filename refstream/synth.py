@@ -9,7 +9,9 @@ Calls, in the order a loader makes them::
 :func:`serving_samples` is the one rule deciding whether a frame serves a requested time (SPEC
 §7.1): span selection, the decoder's choice of frame (§10.8) and the doctor all call it.
 :func:`episode_spans` applies :func:`select_span` to each camera at the episode's request times
-(:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2).
+(:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2),
+which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
+stream (on every file, when it opens the dataset) and the doctor call.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refstream.errors import FrameNotFound, UsageError
+from refstream.errors import FrameNotFound, MalformedDataset, UsageError
 from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex
 
-__all__ = ["Matches", "serving_samples", "Span", "select_span", "span_of", "request_times_s",
-           "episode_spans", "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
+__all__ = ["Matches", "serving_samples", "check_frame_rate", "Span", "select_span", "span_of",
+           "request_times_s", "episode_spans", "synthesized_size", "synthesize_header",
+           "synthesize", "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
 # Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
@@ -37,6 +40,7 @@ DEFAULT_FTYP = struct.pack(">I4s4sI4s4s4s", 28, b"ftyp", b"isom", 0x200, b"isom"
 IDENTITY_MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
 HANDLER_NAME = b"VideoHandler\0"
 FIXED_MOOV_BYTES = 541  # the bytes of moov no span changes (SPEC §7.2, size without building)
+FRAME_RATE_SAMPLES = 64  # a file's frame spacing is read from its first samples (SPEC §9.2)
 
 
 # --- which frame serves which time -----------------------------------------------------------
@@ -74,6 +78,22 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
     distance_s = np.abs(pts_s[sample] - times_s[request])
     served = distance_s <= tolerance_s
     return Matches(request[served], sample[served].astype(np.int64), distance_s[served])
+
+
+def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath: str) -> float:
+    """The median spacing (ticks) of the presentation times of the first
+    :data:`FRAME_RATE_SAMPLES` samples of file ``relpath``; ``MalformedDataset`` unless it is
+    within one tick of ``timescale / fps`` (SPEC §9.2). NaN for fewer than two samples."""
+    pts = np.sort(np.asarray(pts_ticks[:FRAME_RATE_SAMPLES]).astype(np.int64))
+    spacing = float(np.median(np.diff(pts))) if len(pts) > 1 else math.nan
+    if not abs(spacing - timescale / fps) >= 1:  # within a tick, or nothing to compare
+        return spacing
+    rate = timescale / spacing if spacing > 0 else math.inf
+    raise MalformedDataset(
+        f"{relpath}: the video's frame times disagree with meta/info.json's fps {fps:g}: its "
+        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps "
+        f"{fps:g} means {1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, "
+        f"or re-encode the videos at {fps:g} fps")
 
 
 # --- spans -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from refstream.hub import TARGET_LIFETIME_S
 from refstream.tools import baselines, bench, droid
 from refstream.tools.cli import main
 from refstream.tools.demo import read_frame_label
@@ -131,6 +132,9 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
         bench.MEMORY_WORKERS, bench.MEMORY_BUDGET_GB, bench.MEMORY_POOL, True)
     assert 0 < row["pss_bytes"] < methods["refstream-http"]["passes"][0]["peak_rss_above_bytes"] \
         + 2 * 1024**3
+    hub = report["hub_run"]  # one resolve per file for the main process and its workers
+    assert hub["resolves"] == hub["files"] > 0 and hub["most_per_file"] == 1
+    assert hub["target_requests"] >= QUICK.episodes * QUICK.cameras  # spans from the targets
 
 
 def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
@@ -184,3 +188,10 @@ def test_the_help_names_only_what_the_bench_measures(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "map-style reading and the decode ceiling" in text
     assert "download" not in text  # no download-then-read row is measured
+
+
+def test_hub_projection_counts_each_file_once_per_target_lifetime():
+    config = QUICK  # so few episodes that the first 5 minutes touch every file
+    resolves = droid.hub_resolves(config)
+    assert resolves.first_window == resolves.files > 0
+    assert resolves.window_average == resolves.files * droid.QUOTA_WINDOW_S / TARGET_LIFETIME_S

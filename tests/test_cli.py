@@ -1,8 +1,9 @@
 """The command line as a user meets it: every option explained with its default, ``--version``,
 a wrong option answered with that command's usage, ``stream`` taking the dataset's options with
-the dataset's defaults, an exact ``--max-samples``, every root form for ``plan``, and any
-refstream error — also one raised inside a DataLoader worker — as one line (``-v``: the
-traceback too)."""
+the dataset's defaults (ready batches too), an exact ``--max-samples``, every root form for
+``plan`` and its warning about ranks without frames, ``inspect`` refusing what is not a local
+MP4, a missing root, ``~``, and any refstream error — also one raised inside a DataLoader
+worker — as one line (``-v``, before or after the sub-command: the traceback too)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_every_option_has_help_and_shows_its_default(name):
         if isinstance(action, argparse._HelpAction):
             continue
         assert action.help, f"{name} {action.option_strings or action.dest} has no help"
-        if action.option_strings and action.default not in (None, False):
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
             assert f"(default: {action.default})" in text, (name, action.option_strings)
     assert "issue" not in text and "``" not in text
 
@@ -128,3 +129,83 @@ def test_an_error_from_a_worker_reaches_python_as_one_line(dataset):
     assert "\n" not in message and message.endswith("(in DataLoader worker 0)")
     assert message.startswith("episode ")
     assert "Traceback" in raised.value.worker_traceback
+
+
+def test_stream_batched_takes_the_ready_batches_path_with_the_same_batches(dataset, capsys,
+                                                                           monkeypatch):
+    from refstream.tools import demo
+
+    batched = []
+
+    def spy(dataset, **options):
+        batched.append(dataset.batched)
+        return consume(dataset, **options)
+
+    consume = demo.consume
+    monkeypatch.setattr(demo, "consume", spy)
+    argv = ["stream", str(dataset), "--batch-size", "4", "--num-workers", "2", "--json",
+            "--no-progress"]
+    assert main([*argv, "--batched"]) == 0
+    ready = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert batched == [True, False]
+    assert ready["batched"] is True and plain["batched"] is False
+    assert ready["samples"] == plain["samples"] == 18
+    assert ready["batches"] == plain["batches"]
+
+
+def test_plan_and_stream_default_to_the_same_worker_count():
+    commands = subcommands()
+    defaults = {name: commands[name].get_default("num_workers") for name in ("plan", "stream")}
+    assert defaults["plan"] == defaults["stream"] == 2, defaults
+
+
+def test_plan_warns_about_the_ranks_without_frames(dataset, capsys):
+    from refstream.errors import ShardingError
+    from refstream.stream import StreamingDataset
+
+    with pytest.raises(ShardingError):  # the truth the warning announces (3 episodes)
+        StreamingDataset(dataset, rank=3, world_size=4, batch_size=1)
+    assert main(["plan", str(dataset), "--world-size", "4", "--num-workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "rank(s) 3 of world size 4 own no frames" in err and "at most 3" in err
+    assert main(["plan", str(dataset), "--world-size", "3", "--num-workers", "1"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_inspect_says_it_reads_local_mp4_files(dataset, capsys):
+    parquet = next(dataset.glob("data/*/*.parquet"))
+    for target in ("http://127.0.0.1:9/video.mp4", str(parquet), str(dataset / "meta/info.json")):
+        assert main(["inspect", target]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"refstream inspect: UsageError: {target}: "), err
+        assert "inspect reads local MP4 files" in err and "Errno" not in err
+    assert main(["inspect", str(next(dataset.glob("videos/*/*/*.mp4"))), "--json"]) == 0
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_works_before_or_after_the_command(tmp_path, capsys, where):
+    argv = ["plan", str(tmp_path / "absent")]
+    assert main(["-v", *argv] if where == "before" else [*argv, "-v"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith(
+        "refstream plan: UsageError: ")
+    assert main(argv) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_missing_root_is_no_such_folder_and_tilde_is_expanded(dataset, tmp_path, capsys,
+                                                                 monkeypatch):
+    from refstream.stream import StreamingDataset
+
+    assert main(["stream", str(tmp_path / "absent"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"refstream stream: UsageError: '{tmp_path / 'absent'}': no such folder")
+    monkeypatch.setenv("HOME", str(dataset.parent))
+    assert main(["plan", f"~/{dataset.name}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["frames"] == 18
+    assert StreamingDataset(f"~/{dataset.name}").num_frames == 18
+    assert main(["plan", "~/absent"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"refstream plan: UsageError: '~/absent': no such folder ({dataset.parent / 'absent'})")

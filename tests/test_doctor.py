@@ -25,7 +25,7 @@ from lerobot_layout import write_layout
 from sidecar_helpers import ensure_with
 
 from refstream import sidecar
-from refstream.errors import UsageError
+from refstream.errors import DecodeError, MalformedDataset, UsageError
 from refstream.meta import load_meta
 from refstream.mp4 import parse_index
 from refstream.source import open_source
@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 LEROBOT_ROOT = REPO / "spec" / "fixtures" / "lerobot" / "lr_av1"
 FIXTURES = REPO / "spec" / "fixtures" / "doctor"
 ADAPTERS = {"doctor_tiling": adapters.kind_doctor_tiling,
-            "doctor_requests": adapters.kind_doctor_requests}
+            "doctor_requests": adapters.kind_doctor_requests,
+            "frame_rate": adapters.kind_frame_rate}
 FRONT, WRIST = "observation.images.front", "observation.images.wrist"
 # Four episodes, two per video file and per data file: file-000 holds episodes 0 and 1,
 # file-001 holds 2 and 3 (videos and data alike).
@@ -156,7 +157,7 @@ def test_dataset_written_by_lerobot_passes_every_check(tmp_path):
 
 
 def test_progress_goes_to_stderr(dataset, capsys):
-    files = 2 + 2 * 2  # data files + video files of both cameras
+    files = 2 + 2 * 2 * 2  # data files + video files of both cameras, checked and decoded
     check_dataset(open_source(dataset), root=dataset, progress=True)
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -238,7 +239,8 @@ def test_tiling_agrees_with_brute_force_coverage(intervals, total):
 def test_conformance_fixtures(path):
     """The hand-derived cases of spec/fixtures/doctor, through a JSON round trip."""
     case = json.loads(path.read_text())
-    answer = json.loads(json.dumps(ADAPTERS[case["kind"]](case["input"])))
+    assert case["kind"] in ADAPTERS
+    answer = json.loads(json.dumps(adapters.answer(case["kind"], case["input"])))
     assert answer == case["expected"]
 
 
@@ -253,6 +255,29 @@ def test_request_cases_are_the_rule_in_plain_binary64():
         unserved = [k for k, t in enumerate(c["times_s"])
                     if not any(abs(p / c["timescale"] - t) <= c["tolerance_s"] for p in c["pts"])]
         assert case["expected"] == {"unserved": unserved}, case["description"]
+
+
+def test_frame_rate_cases_are_the_rule_in_exact_arithmetic():
+    """Every frame_rate expectation, recomputed with fractions: the median gap between the
+    sorted presentation times of the first 64 samples, refused unless within one tick of
+    timescale / fps (SPEC §9.2)."""
+    cases = [json.loads(p.read_text()) for p in sorted(FIXTURES.glob("frame-rate-*.json"))]
+    assert len(cases) >= 8 and all(c["kind"] == "frame_rate" for c in cases)
+    for case in cases:
+        c = case["input"]
+        pts = sorted(c["pts"][:64])
+        gaps = sorted(Fraction(b - a) for a, b in zip(pts[:-1], pts[1:], strict=True))
+        middle = len(gaps) // 2
+        if not gaps:
+            spacing = None
+        elif len(gaps) % 2:
+            spacing = gaps[middle]
+        else:
+            spacing = (gaps[middle - 1] + gaps[middle]) / 2
+        agrees = spacing is None or abs(spacing - Fraction(c["timescale"], c["fps"])) < 1
+        expected = {"spacing_ticks": None if spacing is None else float(spacing)}
+        assert case["expected"] == (expected if agrees else {"error": "MalformedDataset"}), \
+            case["description"]
 
 
 def test_there_are_fixtures_of_both_kinds():
@@ -482,10 +507,176 @@ def test_tolerance_decides_between_frames(dataset):
     assert unserved_times(dataset, 2, WRIST, 1e-4) and not unserved_times(dataset, 2, WRIST, 0.02)
 
 
+def change_info(root: Path, change) -> None:
+    info = json.loads((root / "meta/info.json").read_text())
+    change(info)
+    (root / "meta/info.json").write_text(json.dumps(info))
+
+
+def test_an_fps_the_videos_disagree_with_is_named_by_streaming_and_the_doctor(dataset):
+    """info.json's fps 25 over 30 fps videos: the dataset refuses it when it is made (in the
+    main process, before any worker), and the doctor says it once per video file; both show
+    both numbers."""
+    from refstream.stream import StreamingDataset
+
+    times = frame_times_s(dataset / video(FRONT, 0))
+    video_fps = 1 / (times[1] - times[0])  # PyAV's demuxer
+    assert video_fps == 30
+    change_info(dataset, lambda info: info.update(fps=25))
+    with pytest.raises(MalformedDataset) as raised:
+        StreamingDataset(dataset)
+    for message in [str(raised.value), *doctor(dataset)["videos"].problems]:
+        assert "frame times disagree with meta/info.json's fps 25" in message, message
+        assert f"({video_fps} fps)" in message and "1/30" not in message
+    checks = doctor(dataset)
+    assert failing(checks) == {"videos"}
+    assert checks["videos"].problem_count == 4  # one per video file, not one per episode
+    assert {p.split(":")[0] for p in checks["videos"].problems} == {
+        video(camera, file) for camera in (FRONT, WRIST) for file in (0, 1)}
+
+
+def test_a_camera_size_the_videos_disagree_with_is_named(dataset):
+    """info.json declares 100x100 for a 32x32 video: streaming yields 32x32 frames (what the
+    decoder makes), not the declared size a model is built for."""
+    from refstream.stream import StreamingDataset
+
+    with av.open(str(dataset / video(FRONT, 0))) as container:  # the oracle: PyAV's stream
+        height, width = (container.streams.video[0].height, container.streams.video[0].width)
+    def declare(info):
+        feature = info["features"][FRONT]
+        feature["shape"] = [100, 100, 3]
+        feature["info"].update({"video.height": 100, "video.width": 100})
+    change_info(dataset, declare)
+    sample = next(iter(StreamingDataset(dataset, seed=0)))
+    assert tuple(sample[FRONT].shape) == (3, height, width) != (3, 100, 100)
+    checks = doctor(dataset)
+    assert failing(checks) == {"videos"}
+    assert checks["videos"].problem_count == 2  # the camera's two files
+    for problem in checks["videos"].problems:
+        assert f"camera {FRONT} is 100x100" in problem
+        assert f"the video track is {height}x{width}" in problem
+
+
+def test_a_codec_the_videos_disagree_with_is_named(dataset):
+    with av.open(str(dataset / video(WRIST, 1))) as container:
+        codec = container.streams.video[0].codec_context.codec.canonical_name  # av1
+    change_info(dataset, lambda info: info["features"][WRIST]["info"].update(
+        {"video.codec": "h264"}))
+    checks = doctor(dataset)
+    assert failing(checks) == {"videos"}
+    assert [p.split(":")[0] for p in checks["videos"].problems] == [video(WRIST, 0),
+                                                                   video(WRIST, 1)]
+    assert all(f"is h264, the video track is av01 ({codec})" in p
+               for p in checks["videos"].problems)
+
+
 def test_tolerance_must_be_a_finite_non_negative_number(dataset):
     for bad in (-1e-4, math.nan, math.inf, True, "1e-4"):  # the check StreamingDataset makes
         with pytest.raises(UsageError, match="tolerance_s"):
             check_dataset(open_source(dataset), tolerance_s=bad)
+
+
+# --- 6. decoding ----------------------------------------------------------------------------
+
+
+def packets(path: Path) -> list:
+    """(byte offset, size, is keyframe) of every packet, as PyAV's demuxer reads them."""
+    with av.open(str(path)) as container:
+        return [(p.pos, p.size, p.is_keyframe) for p in container.demux(video=0) if p.size]
+
+
+def spoil(path: Path, keyframe: bool) -> None:
+    """Overwrite the second keyframe's (or non-keyframe's) payload with 0xff bytes, inside the
+    mdat: the MP4 index stays valid and PyAV can no longer decode the file."""
+    offset, size, _ = [p for p in packets(path) if p[2] == keyframe][1]
+    data = bytearray(path.read_bytes())
+    data[offset : offset + size] = b"\xff" * size
+    path.write_bytes(bytes(data))
+    assert decodable_frames(path) is None  # the oracle: a full PyAV decode fails
+
+
+def keyframe_count(root: Path) -> int:
+    return sum(p[2] for camera in (FRONT, WRIST) for f in (0, 1)
+               for p in packets(root / video(camera, f)))
+
+
+def test_the_healthy_dataset_is_safe_to_train_only_when_every_frame_was_decoded(dataset):
+    keyframes = keyframe_count(dataset)
+    frames = 2 * sum(LENGTHS)
+    assert 0 < keyframes < frames
+    report = check_dataset(open_source(dataset), root=dataset, progress=False)
+    assert report.ok and f"{keyframes} of {frames} frames" in report.checks[-1].detail
+    assert report.not_checked == [f"decoding: {frames - keyframes} of {frames} frames, those "
+                                  "that are not keyframes (--decode all decodes every frame the "
+                                  "rows request)"]
+    assert "safe to train" not in report.table() and "not checked: decoding" in report.table()
+    report = check_dataset(open_source(dataset), root=dataset, progress=False, decode="all")
+    assert report.ok and report.not_checked == []
+    assert f"{frames} frames" in report.checks[-1].detail
+    assert report.table().endswith(f"{dataset}: safe to train")
+    assert report.as_dict()["not_checked"] == []
+
+
+def test_a_corrupt_keyframe_fails_decoding_as_it_fails_streaming(dataset):
+    keyframes = keyframe_count(dataset)
+    spoil(dataset / video(WRIST, 1), keyframe=True)
+    assert isinstance(stream_failure(dataset), DecodeError)  # the oracle: training fails
+    for mode in ("keyframes", "all"):
+        checks = doctor(dataset, decode=mode)
+        assert failing(checks) == {"decoding"}, mode
+        assert checks["decoding"].problem_count == 1
+        assert video(WRIST, 1) in checks["decoding"].problems[0]
+        assert "DecodeError" in checks["decoding"].problems[0]
+    # The keyframe that failed was checked: it counts with the others, not as unchecked.
+    report = check_dataset(open_source(dataset), root=dataset, progress=False)
+    frames = 2 * sum(LENGTHS)
+    assert f"{keyframes} of {frames} frames" in report.checks[-1].detail
+    assert report.not_checked[0].startswith(f"decoding: {frames - keyframes} of {frames} ")
+
+
+def test_a_corrupt_frame_between_keyframes_is_found_by_decoding_every_frame(dataset):
+    spoil(dataset / video(FRONT, 0), keyframe=False)
+    assert isinstance(stream_failure(dataset), DecodeError)  # the oracle: training fails
+    report = check_dataset(open_source(dataset), root=dataset, progress=False)
+    assert report.ok and report.not_checked  # every keyframe decodes; the rest is unchecked
+    assert "safe to train" not in report.table()
+    checks = doctor(dataset, decode="all")
+    assert failing(checks) == {"decoding"}
+    problem = checks["decoding"].problems[0]
+    assert f"camera {FRONT}, {video(FRONT, 0)}" in problem and "DecodeError" in problem
+
+
+def test_a_pyav_refstream_cannot_decode_with_fails_decoding(dataset, monkeypatch):
+    """PyAV 15's reformat takes no threads option: a refstream passing it cannot decode any
+    frame there; the doctor must say so, not "safe to train"."""
+    from refstream import decode
+
+    class Pyav15Reformatter:  # PyAV's reformatter as PyAV 15 has it
+        def __init__(self):
+            self.reformatter = av.video.reformatter.VideoReformatter()
+
+        def reformat(self, frame, **options):
+            if "threads" in options:
+                raise TypeError("reformat() got an unexpected keyword argument 'threads'")
+            return self.reformatter.reformat(frame, **options)
+
+    monkeypatch.setattr(decode, "VideoReformatter", Pyav15Reformatter)
+    monkeypatch.setattr(decode, "_ONE_THREAD", {"threads": 1})
+    assert isinstance(stream_failure(dataset), TypeError)  # the oracle: training fails
+    report = check_dataset(open_source(dataset), root=dataset, progress=False,
+                           cache_root=dataset.parent / "cache")
+    assert [c.name for c in report.checks if not c.ok] == ["decoding"]
+    decoding = report.checks[-1]
+    assert decoding.problem_count == 1
+    assert decoding.problems[0].startswith(f"refstream cannot decode with the installed PyAV "
+                                           f"{av.__version__}: TypeError: reformat() got an "
+                                           "unexpected keyword argument 'threads'")
+    assert "NOT safe to train" in report.table()
+
+
+def test_decode_mode_must_be_known(dataset):
+    with pytest.raises(UsageError, match="decode must be one of"):
+        check_dataset(open_source(dataset), decode="some")
 
 
 # --- 5. sidecar ------------------------------------------------------------------------------
@@ -585,6 +776,15 @@ def test_cli_over_http(dataset, capsys):
     videos = next(c for c in report["checks"] if c["name"] == "videos")
     assert videos["status"] == "FAIL" and video(WRIST, 0) in videos["problems"][0]
     assert any(status == 404 for *_, status in server.log)
+
+
+def test_cli_decodes_every_frame_when_asked(dataset, capsys):
+    assert main(["doctor", str(dataset), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "not checked: decoding" in out and "safe to train" not in out
+    assert main(["doctor", str(dataset), "--no-progress", "--decode", "all", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["not_checked"] == []
 
 
 def test_cli_refuses_a_bad_tolerance_with_status_2(dataset, capsys):

@@ -30,7 +30,7 @@ from refstream.budget import ByteBudget
 from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
-from refstream.hub import hub_endpoint, parse_hf_root
+from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
@@ -38,7 +38,14 @@ from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
 from refstream.source import LocalSource
-from refstream.synth import select_span, serving_samples, span_of, synthesize, synthesized_size
+from refstream.synth import (
+    check_frame_rate,
+    select_span,
+    serving_samples,
+    span_of,
+    synthesize,
+    synthesized_size,
+)
 from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
@@ -294,6 +301,11 @@ def kind_hf_url(case: dict) -> dict:
     return {"revision_api_url": api_url, "url": url, "identity": identity}
 
 
+def kind_hub_target(case: dict) -> dict:
+    expiry = target_expiry(case["target"], case["issued"])
+    return {"expiry": expiry, "resolve": resolve_again(expiry, case["now"])}
+
+
 def kind_row_group_candidates(case: dict) -> dict:
     stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
     return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
@@ -401,6 +413,12 @@ def kind_doctor_requests(case: dict) -> dict:
     served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
                              float(case["tolerance_s"]))
     return {"unserved": served.unserved(len(times_s)).tolist()}
+
+
+def kind_frame_rate(case: dict) -> dict:
+    spacing = check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                               case["fps"], "video")
+    return {"spacing_ticks": None if np.isnan(spacing) else spacing}
 
 
 # Kind NAME is answered by kind_NAME.

@@ -62,14 +62,16 @@ class _Formatter(argparse.HelpFormatter):
         return text
 
 
+VERBOSE_HELP = "on an error, show its traceback too"
+# -v after the sub-command; SUPPRESS keeps the value given before it.
 _COMMON = argparse.ArgumentParser(add_help=False)
-_COMMON.add_argument("-v", "--verbose", action="store_true",
-                     help="on an error, show its traceback too")
-
+_COMMON.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                     help=VERBOSE_HELP)
+NUM_WORKERS = 2  # DataLoader workers of demo, stream and plan
 
 # The DataLoader of demo and stream.
 _LOADER = argparse.ArgumentParser(add_help=False)
-_LOADER.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
+_LOADER.add_argument("--num-workers", type=int, default=NUM_WORKERS, help="DataLoader workers")
 _LOADER.add_argument("--batch-size", type=int, default=8, help="DataLoader batch size")
 _LOADER.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="refstream", description="Stream LeRobot v3 datasets (a folder, an http(s):// URL "
         "or hf://datasets/OWNER/NAME) into PyTorch, episode by episode.")
     parser.add_argument("--version", action="version", version=f"refstream {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(subparsers)
@@ -191,12 +194,14 @@ def add_stream(subparsers) -> None:
                    help="how far a video frame may be from a requested time")
     p.add_argument("--uint8", dest="return_uint8", action="store_true",
                    help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
+    p.add_argument("--batched", action="store_true",
+                   help="each worker yields ready batches (the fastest path)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 # The stream options that are StreamingDataset arguments of the same name.
 STREAM_OPTIONS = ("seed", "sampling_strategy", "episode_pool_size", "prefetch_episodes",
-                  "byte_budget_gb", "decode_threads", "tolerance_s", "return_uint8")
+                  "byte_budget_gb", "decode_threads", "tolerance_s", "return_uint8", "batched")
 
 
 def run_stream(args) -> int:
@@ -210,11 +215,12 @@ def run_stream(args) -> int:
         raise UsageError(f"--delta-timestamps: {exc}") from exc
     options = {name: getattr(args, name) for name in STREAM_OPTIONS}
     dataset = StreamingDataset(args.root, episodes=episodes, delta_timestamps=windows,
-                               batch_size=args.batch_size, **options)
+                               batch_size=args.batch_size, num_workers=args.num_workers, **options)
     m = consume(dataset, num_workers=args.num_workers, batch_size=args.batch_size,
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
     summary = {"root": args.root, "episodes": dataset.num_episodes, "frames": dataset.num_frames,
-               "samples": m.samples, "batches": m.batches, "seconds": round(m.seconds, 3),
+               "batched": args.batched, "samples": m.samples, "batches": m.batches,
+               "seconds": round(m.seconds, 3),
                "samples_per_s": round(m.samples_per_s, 1),
                "first_sample_s": round(m.first_sample_s, 3)}
     _print_summary(summary, args.json)
@@ -227,7 +233,8 @@ def add_plan(subparsers) -> None:
                  run_plan, [_ORDER])
     p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
     p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
-    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument("--num-workers", type=int, default=NUM_WORKERS,
+                   help="DataLoader workers per rank")
     p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
     p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -243,8 +250,15 @@ def run_plan(args) -> int:
     with contextlib.closing(open_source(args.root)) as source:
         meta = load_meta(source)
     ids = select_episodes(meta, chosen)
+    frames = [meta.frames(e) for e in ids]
+    ranks = shard.lpt_partition(ids, frames, args.world_size)
+    empty = [str(r) for r, part in enumerate(ranks) if not sum(meta.frames(e) for e in part)]
+    if empty:  # said before the plan of this rank, which may fail for its own reasons
+        print(f"refstream plan: warning: rank(s) {', '.join(empty)} of world size "
+              f"{args.world_size} own no frames, and StreamingDataset raises ShardingError "
+              f"there; use a world size of at most {sum(f > 0 for f in frames)}", file=sys.stderr)
     s = _plan_summary(
-        ids, [meta.frames(e) for e in ids], world_size=args.world_size, rank=args.rank,
+        ids, frames, world_size=args.world_size, rank=args.rank,
         num_workers=args.num_workers, seed=args.seed, epoch=args.epoch,
         strategy=args.sampling_strategy, pool_size=args.episode_pool_size, limit=args.limit)
     if args.json:
@@ -368,6 +382,15 @@ def run_inspect(args) -> int:
 
     from refstream.tools.inspect import describe
 
+    if "://" in args.file:
+        raise UsageError(f"{args.file}: inspect reads local MP4 files; download it first")
+    head = b""
+    with contextlib.suppress(OSError), open(args.file, "rb") as f:
+        head = f.read(8)
+    box_type = head[4:].decode("latin-1")  # an MP4 starts with a box: size, then its type
+    if len(head) == 8 and not (box_type.isascii() and box_type.isalnum()):
+        raise UsageError(f"{args.file}: not an MP4 file (it starts with {head!r}): inspect reads "
+                         "local MP4 files")
     try:
         with open(args.file, "rb") as f:
             report = describe(lambda offset, length: os.pread(f.fileno(), length, offset),
@@ -408,6 +431,8 @@ def add_doctor(subparsers) -> None:
     p.add_argument("root", help=ROOT_HELP)
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
+    p.add_argument("--decode", choices=("keyframes", "all"), default="keyframes",
+                   help="decode every keyframe alone, or every frame the rows request")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -424,7 +449,8 @@ def run_doctor(args) -> int:
     else:
         with contextlib.closing(source):
             report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
-                                   progress=False if args.no_progress else None)
+                                   progress=False if args.no_progress else None,
+                                   decode=args.decode)
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 

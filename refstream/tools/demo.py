@@ -491,7 +491,8 @@ class LoopbackServer:
     log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
     # Called with (path, client address) before each request is answered; may block to hold it.
     hold: Callable[[str, tuple], None] | None = None
-    # The request target -> the relpath of a file to serve, or an answer: (body, headers).
+    # The request target -> the relpath of a file to serve, or an answer: (body, headers), a
+    # 302 when the headers have a Location.
     route: Callable[[str], str | tuple[bytes, dict[str, str]]] = file_route
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -551,8 +552,9 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
             if server_state.hold is not None:
                 server_state.hold(self.path, self.client_address)
             routed = server_state.route(self.path)
-            if isinstance(routed, tuple):
-                self._finish(HTTPStatus.OK, dict(routed[1]), routed[0], send_body)
+            if isinstance(routed, tuple):  # an answer; a redirect when it has a Location
+                status = HTTPStatus.FOUND if "Location" in routed[1] else HTTPStatus.OK
+                self._finish(status, dict(routed[1]), routed[0], send_body)
                 return
             path = (root / routed).resolve()
             if root not in path.parents or not path.is_file():
@@ -635,14 +637,14 @@ class StreamMeasurement:
 def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
             max_samples: int | None = None, progress: bool = True,
             on_batch: Callable[[dict], None] | None = None) -> StreamMeasurement:
-    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader, stopping after
-    exactly ``max_samples`` samples if given (the last batch counted in part); ``on_batch`` sees
-    every collated batch."""
+    """Stream ``epochs`` epochs (``set_epoch`` before each) through a DataLoader (of a batched
+    dataset's ready batches: ``batch_size=None``), stopping after exactly ``max_samples`` samples
+    if given (the last batch counted in part); ``on_batch`` sees every batch."""
     import torch
     from tqdm import tqdm
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
-                                         num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None if dataset.batched else
+                                         batch_size, num_workers=num_workers)
     total = dataset.rank_frames * epochs
     with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
               dynamic_ncols=True) as bar:

@@ -1,19 +1,22 @@
 """``refstream doctor``: is a dataset safe to train on? Checked before anyone trains (SPEC §11).
 
-Usage (``refstream doctor ROOT|URL [--json]`` does the same from the shell)::
+Usage (``refstream doctor ROOT|URL [--decode all] [--json]`` does the same from the shell)::
 
     source = refstream.source.open_source(root)
     report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
-    report.ok                                   # True when every check passed: safe to train
+    report.ok                                   # True when every check passed
+    report.not_checked                          # what was not checked (empty: safe to train)
     print(report.table())                       # or json.dumps(report.as_dict())
 
 The dataset is only read, never written. Each check is one :class:`Check` row of the
 :class:`Report`, in :data:`CHECK_NAMES` order, each the rule of its SPEC section: metadata
 (§11.2), episode boundaries (§11.3, :func:`episode_tiling`), data rows (§11.4: every feature column
 is converted as streaming converts it, so a page that does not decode is named here), videos
-(§11.5, by the one "frame serves time" rule of :mod:`refstream.synth` and the streaming path's
-span rule) and sidecar (§11.6). A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and
-counts all of them.
+(§11.5: the one "frame serves time" rule of :mod:`refstream.synth`, the streaming path's span
+and frame-rate rules, info.json's size and codec of each camera against its tracks), sidecar
+(§11.6) and decoding (§11.7: refstream's own decoder on mini-MP4s made as streaming makes them,
+of every keyframe or, with ``decode="all"``, of every frame the rows request). A check lists its
+first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +35,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refstream import sidecar, synth
+from refstream.decode import EpisodeDecoder, select_frames
 from refstream.errors import (
     DatasetError,
     FrameNotFound,
     MalformedDataset,
     RefstreamError,
     SidecarInvalid,
+    UsageError,
 )
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
@@ -44,10 +50,14 @@ from refstream.source import RangeFile, Source
 from refstream.windows import check_tolerance
 
 __all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "MAX_LISTED_PROBLEMS",
-           "CHECK_NAMES"]
+           "CHECK_NAMES", "DECODE_MODES"]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
-CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar")
+CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar", "decoding")
+DECODE_MODES = ("keyframes", "all")  # what the decoding check decodes (SPEC §11.7)
+# info.json's video.codec (FFmpeg's canonical name, as LeRobot writes it) of a sample entry.
+CODECS = {"av01": "av1", "avc1": "h264", "avc3": "h264", "hvc1": "hevc", "hev1": "hevc",
+          "vp09": "vp9", "mp4v": "mpeg4"}
 # Data columns read by the rows check; task_index only when the file has it.
 ROW_COLUMNS = ("episode_index", "frame_index", "index", "timestamp")
 TASK_COLUMN = "task_index"
@@ -77,10 +87,11 @@ class Report:
 
     root: str
     checks: list[Check]
+    not_checked: list[str] = field(default_factory=list)  # what the checks did not cover
 
     @property
     def ok(self) -> bool:
-        """True when every check passed: the dataset is safe to train on."""
+        """True when every check passed (safe to train if ``not_checked`` is empty too)."""
         return all(check.ok for check in self.checks)
 
     def as_dict(self) -> dict:
@@ -88,7 +99,8 @@ class Report:
         checks = [{"name": c.name, "status": c.status, "ok": c.ok, "detail": c.detail,
                    "problems": list(c.problems), "problem_count": c.problem_count}
                   for c in self.checks]
-        return {"root": self.root, "ok": self.ok, "checks": checks}
+        return {"root": self.root, "ok": self.ok, "checks": checks,
+                "not_checked": list(self.not_checked)}
 
     def table(self) -> str:
         """A plain-text table (check, status, detail) with each check's problems under it."""
@@ -100,7 +112,9 @@ class Report:
             if c.problem_count > len(c.problems):
                 lines.append(f"{'':<{name_width}}    … and {c.problem_count - len(c.problems)} "
                              "more")
-        verdict = "safe to train" if self.ok else "NOT safe to train"
+        lines += [f"not checked: {what}" for what in self.not_checked]
+        verdict = ("NOT safe to train" if not self.ok else "safe to train" if not
+                   self.not_checked else "no problem found, but not everything was checked")
         lines.append(f"{self.root}: {verdict}")
         return "\n".join(lines)
 
@@ -122,26 +136,32 @@ class _Problems:
 
 
 def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s: float = 1e-4,
-                  progress: bool | None = None,
-                  cache_root: str | Path | None = None) -> Report:
+                  progress: bool | None = None, cache_root: str | Path | None = None,
+                  decode: str = "keyframes") -> Report:
     """The report of every check on ``source``, named by ``root`` (as training is given it);
     ``progress``: a bar on stderr (None: if it is a terminal); ``cache_root`` as
-    :func:`refstream.sidecar.cache_folder` takes it."""
+    :func:`refstream.sidecar.cache_folder` takes it; ``decode``: one of :data:`DECODE_MODES`."""
     tolerance_s = check_tolerance(tolerance_s)
+    if decode not in DECODE_MODES:
+        raise UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     label = str(root) if root is not None else repr(source)
     try:
         meta = load_meta(source)
     except RefstreamError as exc:
         return unreadable(label, exc)
     video_relpaths = sidecar.video_relpaths(meta)
-    files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index)) + len(video_relpaths)
-    with _progress_bar(files, progress) as tick:
+    files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index))
+    not_checked: list[str] = []
+    with _progress_bar(files + 2 * len(video_relpaths), progress) as tick:
         checks = [_check_metadata(meta), _check_boundaries(meta)]
         rows_check, timestamps = _check_rows(source, meta, tick)
-        videos_check, indexes = _check_videos(source, meta, timestamps, tolerance_s, tick)
-        checks += [rows_check, videos_check]
-    checks.append(_check_sidecar(source, video_relpaths, cache_root, indexes))
-    return Report(label, checks)
+        videos_check, indexes = _check_videos(source, meta, timestamps, tolerance_s, tick,
+                                              not_checked)
+        decoding = _check_decoding(source, meta, indexes, timestamps, tolerance_s, decode, tick,
+                                   not_checked)
+    checks += [rows_check, videos_check,
+               _check_sidecar(source, video_relpaths, cache_root, indexes), decoding]
+    return Report(label, checks, list(dict.fromkeys(not_checked)))
 
 
 def unreadable(label: str, exc: RefstreamError) -> Report:
@@ -359,14 +379,21 @@ def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
 # --- 4. videos -------------------------------------------------------------------------------
 
 
-def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.ndarray],
-                  tolerance_s: float, tick: Tick) -> tuple[Check, dict[str, SampleIndex]]:
-    """The videos check, and the index of every video file that parsed."""
-    problems = _Problems()
+def _video_users(meta: DatasetMeta) -> dict[str, list[tuple[int, str]]]:
+    """Each video file's (episode, camera) pairs."""
     users: dict[str, list[tuple[int, str]]] = {}
     for episode in meta.episode_index.tolist():
         for camera in meta.camera_keys:
             users.setdefault(meta.video_relpath(episode, camera), []).append((episode, camera))
+    return users
+
+
+def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.ndarray],
+                  tolerance_s: float, tick: Tick,
+                  not_checked: list[str]) -> tuple[Check, dict[str, SampleIndex]]:
+    """The videos check, and the index of every video file that parsed."""
+    problems = _Problems()
+    users = _video_users(meta)
     indexes: dict[str, SampleIndex] = {}
     requests = 0
     for relpath in sorted(users):
@@ -382,6 +409,15 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             continue
         finally:
             tick(relpath)
+        for problem in _track_problems(meta, users[relpath][0][1], indexes[relpath],
+                                       not_checked):
+            problems.add(f"{relpath}: {problem}")
+        try:
+            synth.check_frame_rate(indexes[relpath].pts, indexes[relpath].timescale, meta.fps,
+                                   relpath)
+        except MalformedDataset as exc:
+            problems.add(str(exc))
+            continue  # every request time of the file is off its frames
         for episode, camera in users[relpath]:
             seconds = timestamps.get(episode)
             if seconds is None:
@@ -394,6 +430,33 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
     return problems.check(
         "videos", f"{len(users)} video files, {requests} request times, tolerance "
         f"{tolerance_s} s"), indexes
+
+
+def _track_problems(meta: DatasetMeta, camera: str, index: SampleIndex,
+                    not_checked: list[str]) -> list[str]:
+    """Where meta/info.json disagrees with a video track of ``camera``: height and width, codec."""
+    problems = []
+    feature = meta.features[camera]
+    info, shape, names = feature.get("info") or {}, feature.get("shape"), feature.get("names")
+    sizes = {}  # where info.json says it -> (height, width)
+    if isinstance(shape, list) and isinstance(names, list) and len(shape) == len(names) \
+            and {"height", "width"} <= set(names):
+        sizes["shape"] = (shape[names.index("height")], shape[names.index("width")])
+    if "video.height" in info and "video.width" in info:
+        sizes["video.height/width"] = (info["video.height"], info["video.width"])
+    if not sizes:
+        not_checked.append(f"meta/info.json gives no height and width of {camera}")
+    if any(size != (index.height, index.width) for size in sizes.values()):
+        said = " and ".join(f"{h}x{w} in {where}" for where, (h, w) in sizes.items())
+        problems.append(f"meta/info.json says camera {camera} is {said} (height x width), the "
+                        f"video track is {index.height}x{index.width}")
+    declared = info.get("video.codec")
+    if declared is not None and index.codec not in CODECS:
+        not_checked.append(f"the codec of {camera} ({index.codec}) against info.json's {declared}")
+    elif declared is not None and CODECS[index.codec] != declared:
+        problems.append(f"meta/info.json says camera {camera} is {declared}, the video track is "
+                        f"{index.codec} ({CODECS[index.codec]})")
+    return problems
 
 
 def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[int, str]],
@@ -525,3 +588,74 @@ def _compare_record(where: str, stored: SampleIndex, parsed: SampleIndex,
             k = int(bad[0])
             problems.add(f"{where}: {name}[{k}] is {values[k]!r}, the file has {actual[k]!r} "
                          f"({len(bad)} samples differ)")
+
+
+# --- 6. decoding -----------------------------------------------------------------------------
+
+
+def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, SampleIndex],
+                    timestamps: dict[int, np.ndarray], tolerance_s: float, decode: str,
+                    tick: Tick, not_checked: list[str]) -> Check:
+    """Decode, with refstream's own decoder, mini-MP4s made as streaming makes them: each
+    keyframe of every indexed file alone, or every frame the episodes' rows request."""
+    problems, tried, samples = _Problems(), 0, 0  # tried: frames asked of the decoder
+    pyav = f"PyAV {version('av')}"
+    users = _video_users(meta)
+    for relpath, index in sorted(indexes.items()):
+        samples += len(index)
+        jobs = (_keyframe_jobs(relpath, index) if decode == "keyframes" else
+                _request_jobs(meta, relpath, index, users[relpath], timestamps, tolerance_s))
+        for label, span, pts in jobs:
+            tried += len(pts)
+            try:
+                payload = source.read_range(relpath, span.byte_offset, span.byte_length)
+                with EpisodeDecoder(synth.synthesize(index, span, payload), label,
+                                    span.start_pts) as decoder:
+                    decoder.frames(pts)
+            except RefstreamError as exc:
+                problems.add(f"{label}: {type(exc).__name__}: "
+                             f"{str(exc).removeprefix(f'{label}: ')}")
+            except Exception as exc:  # not the data's fault: the decoder itself fails
+                problems.add(f"refstream cannot decode with the installed {pyav}: "
+                             f"{type(exc).__name__}: {exc} (at {label}); nothing was decoded "
+                             "after it")
+                not_checked.append("decoding: stopped at the first failure of the decoder")
+                return problems.check("decoding", f"stopped where the decoder failed ({pyav})")
+        tick(relpath)
+    if decode == "keyframes":
+        not_checked.append(f"decoding: {samples - tried} of {samples} frames, those that are "
+                           "not keyframes (--decode all decodes every frame the rows request)")
+        what = f"every keyframe, each alone: {tried} of {samples} frames"
+    else:
+        what = f"every frame the rows request: {tried} frames, from their episodes' spans"
+    return problems.check("decoding", f"{what} of {len(indexes)} video files ({pyav})")
+
+
+Job = tuple[str, synth.Span, np.ndarray]  # label, the span made a mini-MP4, the pts to decode
+
+
+def _keyframe_jobs(relpath: str, index: SampleIndex) -> Iterator[Job]:
+    for sample in np.flatnonzero(index.keyframe).tolist():
+        yield (f"{relpath} keyframe (sample {sample})", synth.span_of(index, sample, sample),
+               index.pts[sample : sample + 1])
+
+
+def _request_jobs(meta: DatasetMeta, relpath: str, index: SampleIndex,
+                  users: list[tuple[int, str]], timestamps: dict[int, np.ndarray],
+                  tolerance_s: float) -> Iterator[Job]:
+    """Each episode's span and the frames serving its rows (the episodes the videos check
+    passed: the others fail there)."""
+    for episode, camera in users:
+        seconds = timestamps.get(episode)
+        if seconds is None:
+            continue  # its rows failed the rows check
+        try:
+            _, span = synth.episode_spans(meta, episode, indexes={relpath: index},
+                                          tolerance_s=tolerance_s, timestamps_s=seconds,
+                                          cameras=[camera])[camera]
+        except RefstreamError:
+            continue
+        pts = index.pts[span.sample_lo : span.sample_hi + 1].astype(np.int64)
+        times_s = synth.request_times_s(meta, episode, camera, seconds)
+        chosen = select_frames(pts, index.timescale, times_s, tolerance_s, relpath)
+        yield f"episode {episode}, camera {camera}, {relpath}", span, np.unique(pts[chosen])

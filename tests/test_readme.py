@@ -1,0 +1,53 @@
+"""What the README promises that code can check: it starts with the two commands a fresh machine
+runs (a virtual environment, torch, refstream and the demo; then the test suite), and the
+figures it explains (the demo's bytes, the HTTP whole-body cap) are the code's own."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from refstream.http import WHOLE_BODY_CAP_BYTES
+from refstream.tools.demo import DEMO_BUDGET_FRACTION, run_demo
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+PROSE = " ".join(README.split())
+
+
+def first_commands() -> list[str]:
+    """The commands of the README's first code block: continuations joined, comments dropped."""
+    block = re.search(r"```bash\n(.*?)```", README, re.S)
+    assert block is not None and block.start() < README.index("\n## "), "no commands on top"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [" ".join(line.split()) for line in lines if line.strip() and
+            not line.lstrip().startswith("#")]
+
+
+def test_the_readme_starts_with_two_commands_for_a_fresh_machine():
+    first, second = first_commands()
+    steps = first.split(" && ")
+    venv = re.fullmatch(r"python3 -m venv (?:--[\w-]+ )*(\S+)", steps[0])
+    assert venv is not None, steps[0]  # pip into a venv: Debian's python3 refuses it (PEP 668)
+    assert steps[1] == f". {venv.group(1)}/bin/activate"
+    assert steps[2:] == ["pip install torch==2.13.0", "pip install -e .", "refstream demo"]
+    assert second == "bash .ci/run"
+    assert "python3 -m pip install -q torch==2.13.0" in (REPO / ".ci" / "run").read_text()
+
+
+def test_http_roots_need_range_support_and_the_cap_is_the_codes():
+    assert "server must support range requests" in PROSE
+    assert WHOLE_BODY_CAP_BYTES == 1 << 20 and "accepted only for files up to 1 MiB" in PROSE
+
+
+def test_the_demo_figures_the_readme_explains_are_the_demos(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
+    report = run_demo(progress=False)
+    assert not report.problems
+    assert DEMO_BUDGET_FRACTION == 0.5 and "byte budget to half the dataset's video bytes" in PROSE
+    ratio = report.body_bytes / report.dataset_bytes
+    assert f"{ratio:.2f} x the dataset" in report.lines()[-1]
+    assert f"{ratio:.2f} × the dataset's size" in PROSE
+    assert report.video_span_requests > report.episodes * report.cameras  # fetched again
+    assert (f"{report.video_span_requests} span requests for {report.episodes} episodes × "
+            f"{report.cameras} cameras") in PROSE
