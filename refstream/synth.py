@@ -12,6 +12,10 @@ Calls, in the order a loader makes them::
 (:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2),
 which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
 stream (on every file, when it opens the dataset) and the doctor call.
+
+The module imports no metadata reader: ``meta`` is a :class:`refstream.meta.DatasetMeta`, of which
+it reads ``fps``, ``camera_keys``, ``row``, ``frames``, ``video_relpath`` and ``video_from_s`` /
+``video_to_s``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from refstream.errors import FrameNotFound, MalformedDataset, UsageError
-from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex
 
 __all__ = ["Matches", "serving_samples", "check_frame_rate", "Span", "select_span", "span_of",
@@ -187,14 +190,13 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
-def request_times_s(meta: DatasetMeta, episode: int, camera: str,
-                    timestamps_s: np.ndarray) -> np.ndarray:
+def request_times_s(meta, episode: int, camera: str, timestamps_s: np.ndarray) -> np.ndarray:
     """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``."""
     from_s = float(meta.video_from_s[camera][meta.row(episode)])
     return from_s + np.asarray(timestamps_s).astype(np.float64)
 
 
-def episode_spans(meta: DatasetMeta, episode: int, indexes: Mapping[str, SampleIndex],
+def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
                   tolerance_s: float, timestamps_s: np.ndarray | None = None,
                   cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
     """camera -> (its file's index, the episode's span in it), for ``cameras`` (default: every
