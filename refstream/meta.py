@@ -7,11 +7,11 @@ Use::
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
 
 :func:`load_meta` reads ``meta/info.json``, the episodes files (only the columns refstream uses),
-``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats`), and checks them all
-before it returns (SPEC §4.1–4.4, §4.7). :func:`read_parquet` reads a whole metadata Parquet
-file; every reader of Parquet in refstream turns a column into numpy with :func:`column_array`
-(:func:`index_column` for integer and seconds columns); :func:`next_file` is LeRobot's (chunk,
-file) rollover step.
+``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats` parses it), and checks them
+all before it returns (SPEC §4.1–4.4, §4.7); ``meta.episode_rows`` reads episodes' whole rows.
+:func:`read_parquet` reads a whole metadata Parquet file; every reader of Parquet in refstream turns
+a column into numpy with :func:`column_array` (:func:`index_column` for integer and seconds
+columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
 
 Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
 indices, ``float64`` seconds; an episode's frames are ``to_index − from_index``; every path the
@@ -42,7 +42,7 @@ from refstream.errors import (
     UsageError,
 )
 from refstream.shard import episode_ids
-from refstream.stats import load_stats
+from refstream.stats import STATS_PATH, parse_stats
 
 __all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
            "read_parquet", "column_array", "index_column", "next_file"]
@@ -149,6 +149,19 @@ class DatasetMeta:
         return _format_path(self.video_path, "video_path", video_key=camera, chunk_index=chunk,
                             file_index=file)
 
+    def episode_rows(self, source: Source, episodes: Sequence[int]) -> list[tuple[str, pa.Table]]:
+        """Each episode's row of the episodes table, every column, beside the file it is in."""
+        rows = [self.row(int(e)) for e in episodes]
+        found: dict[int, tuple[str, pa.Table]] = {}
+        first = 0
+        for relpath, count in self.episodes_files:
+            wanted = [row for row in rows if first <= row < first + count]
+            if wanted:
+                table = read_parquet(source, relpath)
+                found.update((row, (relpath, table.slice(row - first, 1))) for row in wanted)
+            first += count
+        return [found[row] for row in rows]
+
 
 def load_meta(source: Source) -> DatasetMeta:
     """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
@@ -170,7 +183,7 @@ def load_meta(source: Source) -> DatasetMeta:
         data_path=info["data_path"],
         video_path=info["video_path"],
         episodes_files=episodes_files,
-        stats=load_stats(source),
+        stats=_read_stats(source),
         **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
         **per_camera)
     _check_episodes(meta)
@@ -418,6 +431,15 @@ def _check_paths(meta: DatasetMeta) -> None:
 
 def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:
     return sorted(set(zip(chunks.tolist(), files.tolist(), strict=True)))
+
+
+def _read_stats(source: Source) -> dict | None:
+    """``meta/stats.json`` as arrays (SPEC §4.7), None when the dataset has none."""
+    try:
+        data = source.read_bytes(STATS_PATH)
+    except MalformedDataset:  # what every source raises for a missing file
+        return None
+    return parse_stats(data)
 
 
 # --- meta/tasks.parquet ------------------------------------------------------------------------
