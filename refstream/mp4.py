@@ -6,7 +6,8 @@ Use::
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
-:func:`walk_boxes` and :func:`read_box` also serve reports that show a file's boxes.
+:func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
+file's boxes. ``limit`` is a position in the bytes at hand, ``end`` always a file offset.
 ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
 differently. An entry count is checked against its box before anything is allocated. Errors name
 the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
@@ -26,7 +27,7 @@ import numpy as np
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
 __all__ = ["Box", "SampleIndex", "EditList", "parse_index", "locate_moov", "parse_moov",
-           "walk_boxes", "read_box"]
+           "walk_boxes", "read_box", "video_edit_list"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -131,13 +132,13 @@ def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) 
     return Box(kind, where, header, size)
 
 
-def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[Box]:
-    """The boxes laid end to end in ``data[start:end]``; ``base`` is the file offset of
+def walk_boxes(data: bytes, start: int, limit: int, base: int, path: str) -> list[Box]:
+    """The boxes laid end to end in ``data[start:limit]``; ``base`` is the file offset of
     ``data[0]``."""
     boxes = []
     pos = start
-    while pos < end:
-        boxes.append(read_box(data, pos, end, base, base + end, path))
+    while pos < limit:
+        boxes.append(read_box(data, pos, limit, base, base + limit, path))
         pos += boxes[-1].size
     return boxes
 
@@ -355,6 +356,12 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
                     " one empty edit, is supported", UnsupportedMp4)
     empty = entries[0][0] if count == 2 else 0
     return EditList(empty, entries[-1][0], entries[-1][1])
+
+
+def video_edit_list(moov_bytes: bytes, moov: Box, path: str) -> EditList | None:
+    """The accepted edit list of the video track of a complete moov box (SPEC §6.5), or None."""
+    m = _Moov(moov_bytes, moov, path)
+    return _edit_list(m, _video_track(m))
 
 
 def _rescale(ticks: int, to_scale: int, from_scale: int) -> int:
