@@ -40,6 +40,7 @@ from refstream.errors import (
     UnsafePath,
     UnsupportedDataset,
     UsageError,
+    check_int,
 )
 from refstream.shard import episode_ids
 from refstream.stats import STATS_PATH, parse_stats
@@ -219,10 +220,7 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
         raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
     _check_version(info)
     for key, least in (("fps", 1), ("total_episodes", 0), ("total_frames", 0), ("chunks_size", 1)):
-        value = info.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise MalformedDataset(f"{INFO_PATH}: {key} must be an integer >= {least}, "
-                                   f"got {value!r}")
+        check_int(info.get(key), f"{INFO_PATH}: {key}", least, error=MalformedDataset)
     features = info.get("features")
     if not isinstance(features, dict) or not features:
         raise MalformedDataset(f"{INFO_PATH}: features must be a non-empty object")

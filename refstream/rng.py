@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refstream.errors import UsageError
+from refstream.errors import UsageError, check_int
 
 __all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array",
            "below", "permutation"]
@@ -68,9 +68,7 @@ def resolve_seed(seed: int | None) -> int:
 
 def derive_key(seed: int, *labels: int | str) -> int:
     """The key of ``labels`` under ``seed`` (SPEC §1.2); UsageError for a bad seed or label."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK64:
-        raise UsageError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return extend_key(seed, *labels)
+    return extend_key(check_int(seed, "seed", 0, MASK64), *labels)
 
 
 def extend_key(key: int, *labels: int | str) -> int:
@@ -94,8 +92,7 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 def below(n: int, key: int, i: int) -> int:
     """A number in ``[0, n)`` from word ``i`` of ``key`` (SPEC §1.3)."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MASK64 + 1:
-        raise UsageError(f"below(n) needs an integer n in [1, 2**64], got {n!r}")
+    n = check_int(n, "below(n): n", 1, MASK64 + 1)
     return (u64(key, i) * n) >> 64
 
 
