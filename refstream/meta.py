@@ -46,7 +46,7 @@ from refstream.shard import episode_ids
 from refstream.stats import STATS_PATH, parse_stats
 
 __all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
-           "read_parquet", "column_array", "index_column", "next_file"]
+           "read_parquet", "column_array", "index_column", "next_file", "parse_json"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -212,10 +212,7 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
 
 def _read_info(source: Source) -> tuple[dict, list[str]]:
     """The ``info.json`` object and its camera keys, after SPEC §4.2's checks in their order."""
-    try:
-        info = json.loads(source.read_bytes(INFO_PATH))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedDataset(f"{INFO_PATH}: not valid JSON ({exc})") from exc
+    info = parse_json(source.read_bytes(INFO_PATH), INFO_PATH)
     if not isinstance(info, dict):
         raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
     _check_version(info)
@@ -437,7 +434,15 @@ def _read_stats(source: Source) -> dict | None:
         data = source.read_bytes(STATS_PATH)
     except MalformedDataset:  # what every source raises for a missing file
         return None
-    return parse_stats(data)
+    return parse_stats(parse_json(data, STATS_PATH))
+
+
+def parse_json(data: bytes, relpath: str) -> object:
+    """The JSON value of metadata file ``relpath``; MalformedDataset when it is not JSON."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedDataset(f"{relpath}: not valid JSON ({exc})") from exc
 
 
 # --- meta/tasks.parquet ------------------------------------------------------------------------

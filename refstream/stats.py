@@ -13,7 +13,6 @@ combined (a selection's from its episodes' own) by SPEC §4.7. The module reads 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 
@@ -39,12 +38,8 @@ def selection_stats(source, meta, episodes: Sequence[int]) -> Stats:
                             for relpath, row in meta.episode_rows(source, episodes)])
 
 
-def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
-    """``meta/stats.json`` as arrays (SPEC §4.7)."""
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedDataset(f"{where}: not JSON ({exc})") from exc
+def parse_stats(document: object, where: str = STATS_PATH) -> Stats:
+    """``meta/stats.json``'s JSON value as arrays (SPEC §4.7)."""
     if not isinstance(document, dict):
         raise MalformedDataset(f"{where}: expected an object of features")
     stats: Stats = {}

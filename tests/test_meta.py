@@ -238,6 +238,14 @@ def test_missing_files_are_named(tmp_path):
         load_meta(LocalSource(tmp_path / "elsewhere"))
 
 
+@pytest.mark.parametrize("relpath", ["meta/info.json", "meta/stats.json"])
+def test_a_json_file_that_is_not_json_is_named(tmp_path, relpath):
+    write_layout(tmp_path, [4])
+    (tmp_path / relpath).write_bytes(b"\xff not json")
+    with pytest.raises(MalformedDataset, match=f"^{relpath}: not valid JSON"):
+        load_meta(LocalSource(tmp_path))
+
+
 @pytest.mark.parametrize(
     "overrides, error, pattern",
     [
