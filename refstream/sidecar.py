@@ -53,7 +53,7 @@ from refstream.source import RangeFile, Source
 
 __all__ = ["Record", "VideoIndex", "MappedIndex", "ensure_index", "read_record", "record_bytes",
            "record_name", "storage_dtype", "lock_timeout", "cache_folder", "default_cache_root",
-           "video_relpaths", "install", "fsync_directory"]
+           "video_relpaths", "install", "fsync_directory", "pin_identities"]
 
 log = logging.getLogger(__name__)
 
@@ -343,13 +343,12 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
     """Index every file of ``records`` and install each record as it finishes."""
 
     def index_one(relpath: str, record: Record) -> None:
-        if record.identity:  # a read of another version of the file: PayloadChanged
-            source.expect_identity(relpath, record.identity)
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
         data = record_bytes(index, record.identity)
         _install_record(relpath, record, lambda f: f.write(data))
 
+    pin_identities(source, records)
     logged = time.monotonic()
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
                               thread_name_prefix="refstream-index")
@@ -364,6 +363,14 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
                 log.info("indexing video files: %d/%d", done, len(records))
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, index no further file
+
+
+def pin_identities(source: Source, records: dict[str, Record]) -> None:
+    """Every later read of a file of ``records`` through ``source`` must find the content the
+    record describes, else PayloadChanged (SPEC §10.1; a volatile record pins nothing)."""
+    for relpath, record in records.items():
+        if record.identity:
+            source.expect_identity(relpath, record.identity)
 
 
 def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
