@@ -7,7 +7,8 @@ Use::
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
 :func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
-file's boxes. ``limit`` is a position in the bytes at hand, ``end`` always a file offset.
+file's boxes. Words: an *offset* is a byte position (``end``: the file offset where a box or its
+parent ends; ``limit``: a position in the bytes at hand); *composition* is ``pts − dts``, in ticks.
 ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
 differently. An entry count is checked against its box before anything is allocated. Errors name
 the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
@@ -34,7 +35,7 @@ ReadRange = Callable[[int, int], bytes]
 # Size of each probe read: the first holds ftyp and the next box header (and a short clip's
 # whole moov); a probe can reach into the payload of an mdat behind its header by this much.
 PROBE_BYTES = 4096
-# FFmpeg drops a whole ctts table holding an offset beyond this magnitude (mov_read_ctts).
+# FFmpeg drops a whole ctts table holding a composition time beyond this magnitude (mov_read_ctts).
 CTTS_LIMIT = 1 << 28
 
 
@@ -85,8 +86,8 @@ class SampleIndex:
     @functools.cached_property
     def composition_range(self) -> tuple[int, int]:
         """(min, max) of ``pts − dts`` over the file, in ticks ((0, 0) when empty)."""
-        offsets = self.pts.astype(np.int64) - self.dts.astype(np.int64)
-        return (int(offsets.min()), int(offsets.max())) if len(offsets) else (0, 0)
+        composition = self.pts.astype(np.int64) - self.dts.astype(np.int64)
+        return (int(composition.min()), int(composition.max())) if len(composition) else (0, 0)
 
     @functools.cached_property
     def reordered(self) -> bool:
@@ -378,7 +379,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
     decode = np.cumsum(duration) - duration
 
     ctts = m.child(stbl, "ctts", required=False)
-    offset = np.zeros(n, dtype=np.int64)
+    composition = np.zeros(n, dtype=np.int64)  # ticks pts − dts (before the shift)
     shift = 0
     if ctts is not None:
         counts, values = _runs(m, ctts, n)
@@ -387,11 +388,11 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
             raise m.bad(ctts, "an entry has sample_count 0", UnsupportedMp4)
         head = values[:-2]  # FFmpeg ignores the last two entries for these two rules
         if np.any(np.abs(head) > CTTS_LIMIT):
-            raise m.bad(ctts, "an offset beyond 2^28 ticks (FFmpeg discards such a table)",
+            raise m.bad(ctts, "a composition time beyond 2^28 ticks (FFmpeg discards such a table)",
                         UnsupportedMp4)
         shift = max(0, int(-head.min())) if len(head) else 0
-        offset = np.repeat(values, counts)
-    presentation = decode + offset
+        composition = np.repeat(values, counts)
+    presentation = decode + composition
 
     dts = decode - shift
     if edits is not None:
@@ -400,7 +401,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
         _check_edit_keeps_all(m, presentation, duration, keyframe, edits.media_time, length,
                               ctts is not None)
         dts = dts + empty - max(int(presentation.min()), 0)
-    pts = dts + shift + offset
+    pts = dts + shift + composition
     return dts, pts, duration
 
 

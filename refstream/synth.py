@@ -222,9 +222,9 @@ class _Layout:
     """Everything the mini-MP4 header needs, derived from the index and the span (SPEC §7.2)."""
 
     durations: np.ndarray  # int64 ticks per sample
-    offsets: np.ndarray  # int64 composition offsets c, ≥ 0
+    composition: np.ndarray  # int64 ticks c = pts − dts shifted to ≥ 0 (ctts; not bytes)
     sizes: np.ndarray  # int64 bytes
-    relative: np.ndarray  # int64 sample offsets from the start of the payload
+    relative: np.ndarray  # int64 byte offset of each sample from the start of the payload
     sync: np.ndarray  # int64 1-based numbers of the kept sync samples
     media_time: int  # M
     edit_duration: int  # D
@@ -254,15 +254,15 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
         raise UsageError(f"{index.path}: span start_pts {span.start_pts} is not the pts"
                          f" {index.pts[lo]} of sample {lo}")
     composition = pts - dts
-    offsets = composition + max(0, -int(composition.min()))
-    presentation = dts - dts[0] + offsets
+    composition += max(0, -int(composition.min()))
+    presentation = dts - dts[0] + composition
     media_time = int(presentation[0])
     shown = presentation >= media_time
     edit_end = int((presentation + np.maximum(durations, 1))[shown].max())
     keyframes = np.flatnonzero(index.keyframe[samples])
     clean = np.minimum.reduceat(presentation, keyframes) >= presentation[keyframes]
     clean[0] = True
-    return _Layout(durations, offsets, sizes, relative, keyframes[clean] + 1, media_time,
+    return _Layout(durations, composition, sizes, relative, keyframes[clean] + 1, media_time,
                    edit_end - media_time)
 
 
@@ -270,8 +270,8 @@ def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int
     """(chunk offset width 4 or 8, moov size, mdat header size), by SPEC §7.2's arithmetic."""
     samples = len(layout.sizes)
     moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * len(_runs(layout.durations)[0]) + 4 * samples
-    if np.any(layout.offsets != 0):
-        moov += 16 + 8 * len(_runs(layout.offsets)[0])
+    if np.any(layout.composition != 0):
+        moov += 16 + 8 * len(_runs(layout.composition)[0])
     if len(layout.sync) < samples:
         moov += 16 + 4 * len(layout.sync)
     mdat_header = 16 if span.byte_length + 8 > UINT32_MAX else 8
@@ -323,8 +323,8 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
 
     tables = [box(b"stsd", index.stsd), table_box(b"stts", ">u4", *_runs(layout.durations))]
-    if np.any(layout.offsets != 0):
-        tables.append(table_box(b"ctts", ">u4", *_runs(layout.offsets)))
+    if np.any(layout.composition != 0):
+        tables.append(table_box(b"ctts", ">u4", *_runs(layout.composition)))
     if len(layout.sync) < len(layout.sizes):
         tables.append(table_box(b"stss", ">u4", layout.sync))
     tables.append(full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))
