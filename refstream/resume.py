@@ -31,14 +31,7 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import numpy as np
 
-from refstream.errors import (
-    ResumeError,
-    TopologyChanged,
-    UsageError,
-    check_at_least,
-    check_int,
-    is_int,
-)
+from refstream.errors import ResumeError, TopologyChanged, UsageError, check_int, is_int
 from refstream.planner import STRATEGIES, Planner
 from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
@@ -152,7 +145,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
     """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (SPEC §3.6)."""
-    check_at_least(0, batches=batches)
+    check_int(batches, "batches", 0)
     workers = len(limits)
     if workers == 0:
         raise UsageError("batches_per_worker needs at least one worker")
@@ -173,7 +166,7 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
     """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
-    check_at_least(1, batch_size=batch_size)
+    check_int(batch_size, "batch_size", 1)
     if not world_worker_frames:
         raise UsageError("epoch_batches needs at least one rank")
     return min(sum(_batches(f, batch_size) for f in rank) for rank in world_worker_frames)
@@ -195,7 +188,7 @@ def resume_positions(
 ) -> ResumePositions:
     """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
     anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
-    check_at_least(1, batch_size=batch_size)
+    check_int(batch_size, "batch_size", 1)
     if epoch < 0 or samples < 0:
         raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
     _check_whole_batches(samples, batch_size)

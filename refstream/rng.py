@@ -51,9 +51,7 @@ def label_words(label: int | str) -> list[int]:
     if isinstance(label, bool) or not isinstance(label, int | str):
         raise UsageError(f"an RNG label is an int or a str, not {type(label).__name__}")
     if isinstance(label, int):
-        if not -(1 << 63) <= label <= MASK64:
-            raise UsageError(f"integer RNG label {label} does not fit in 64 bits")
-        return [TAG_INT, label & MASK64]
+        return [TAG_INT, check_int(label, "an integer RNG label", -(1 << 63), MASK64) & MASK64]
     data = label.encode("utf-8")
     words = [TAG_STR, len(data)]
     for start in range(0, len(data), 8):

@@ -13,9 +13,8 @@ Calls, in the order a loader makes them::
 which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
 stream (on every file, when it opens the dataset) and the doctor call.
 
-The module imports no metadata reader: ``meta`` is a :class:`refstream.meta.DatasetMeta`, of which
-it reads ``fps``, ``camera_keys``, ``row``, ``frames``, ``video_relpath`` and ``video_from_s`` /
-``video_to_s``.
+It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads ``fps``,
+``camera_keys``, ``row``, ``frames``, ``video_relpath``, ``video_from_s`` and ``video_to_s``.
 """
 
 from __future__ import annotations
