@@ -51,7 +51,7 @@ def label_words(label: int | str) -> list[int]:
     if isinstance(label, bool) or not isinstance(label, int | str):
         raise UsageError(f"an RNG label is an int or a str, not {type(label).__name__}")
     if isinstance(label, int):
-        return [TAG_INT, check_int(label, "an integer RNG label", -(1 << 63), MASK64) & MASK64]
+        return [TAG_INT, check_int(label, "an RNG label", -(1 << 63), MASK64) & MASK64]
     data = label.encode("utf-8")
     words = [TAG_STR, len(data)]
     for start in range(0, len(data), 8):
