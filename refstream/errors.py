@@ -4,9 +4,9 @@ fault it is) and the conformance kinds that may expect it.
 A class that matches a builtin category also derives from it (``ValueError``, ``TimeoutError``,
 ``OSError``), so generic handlers keep working. The edges translate lower-layer exceptions
 (``OSError``, ``requests``, ``av``, ``pyarrow``) into these with ``raise … from exc``; messages
-name the file, episode, field, box or byte range involved. An error raised in a DataLoader worker
-reaches the training process as the same class, with the worker's message as its message and the
-worker's traceback kept apart in ``worker_traceback``.
+name the file, episode, field, box or byte range involved. A DataLoader raises a worker's error
+again in the training process as the same class: :func:`_from_worker` (the last section) gives it
+the worker's message and keeps the worker's traceback apart in ``worker_traceback``.
 """
 
 from __future__ import annotations
@@ -14,25 +14,15 @@ from __future__ import annotations
 import re
 from numbers import Integral
 
-# How torch's DataLoader re-raises a worker's exception in the main process: one message holding
-# the worker's whole traceback, whose last line is "module.Class: message".
-_FROM_WORKER = re.compile(
-    r"Caught \w+ in DataLoader worker process (\d+)\.\nOriginal (Traceback.*)", re.DOTALL)
-
 
 class RefstreamError(Exception):
     """Base class of every error refstream raises on purpose."""
 
     worker_traceback: str | None = None  # the worker's traceback, when raised in a worker
 
-    def __init__(self, *args: object) -> None:
-        text = args[0] if len(args) == 1 and isinstance(args[0], str) else ""
-        found = _FROM_WORKER.fullmatch(text)
-        if found:
-            self.worker_traceback = found[2]
-            message = found[2].rstrip().splitlines()[-1].partition(": ")[2]
-            args = (f"{message} (in DataLoader worker {found[1]})",)
-        super().__init__(*args)
+    def __init__(self, message: str = "") -> None:
+        message, self.worker_traceback = _from_worker(type(self), message)
+        super().__init__(message)
 
 
 # --- the caller asked for something impossible ------------------------------------------------
@@ -48,6 +38,10 @@ class EpisodeSelectionError(UsageError):
 
 class ShardingError(UsageError):
     """A topology cannot be served, e.g. fewer episodes on a rank than DataLoader workers."""
+
+
+class IterableOnly(UsageError, TypeError):
+    """``dataset[i]``, or a ``len()`` lacking ``num_workers``; a TypeError, so list() goes on."""
 
 
 class ResumeError(UsageError):
@@ -145,6 +139,22 @@ class RetriesExhausted(FetchError):
     """A transient failure persisted through every retry (the last cause is chained)."""
 
 
+class RateLimited(FetchError):
+    """A server's rate limit resets later than a request may wait (names quota and reset)."""
+
+
+class HubAuthError(FetchError):
+    """The Hub wants a token it was not given, refused the one given, or gates the dataset."""
+
+
+class HubRepoNotFound(FetchError):
+    """No such dataset on the Hub, or none the token can see (names the repository)."""
+
+
+class HubRevisionNotFound(FetchError):
+    """The dataset has no such branch, tag or commit (names the revision and the repository)."""
+
+
 # --- the byte budget -----------------------------------------------------------------------
 
 
@@ -184,3 +194,22 @@ class DecodeError(RefstreamError):
 
 class FrameNotFound(DecodeError, ValueError):
     """No decoded frame lies within tolerance of a requested time (names episode, camera, time)."""
+
+
+# --- an error raised again from a DataLoader worker ----------------------------------------
+
+# torch's DataLoader sends a worker's exception to the training process as its class and the text
+# of traceback.format_exception, then raises cls(f"Caught Name {where}.\nOriginal {that text}").
+_TORCH_REPORT = re.compile(r"Caught \w+ (in [^\n]+)\.\nOriginal (.*)", re.DOTALL)
+
+
+def _from_worker(cls: type, text: str) -> tuple[str, str | None]:
+    """``(message, worker traceback)`` from torch's report: the message (of one line or more)
+    follows the last line that starts ``module.Class: ``; ``(text, None)`` for any other text."""
+    report = _TORCH_REPORT.fullmatch(text)
+    prefix = f"{cls.__module__}.{cls.__qualname__}: "
+    start = -1 if report is None else f"\n{report[2]}".rfind(f"\n{prefix}")
+    if start < 0:
+        return text, None
+    message = report[2][start + len(prefix) :].removesuffix("\n")
+    return f"{message} ({report[1]})", report[2]

@@ -1,5 +1,5 @@
 """HTTP(S) byte sources: one range per request, each answer judged before its body is read,
-transient failures retried (SPEC §8.2 requests and answers, §8.3 retries, §8.1 identities).
+transient failures retried, rate limits waited out (SPEC §8.2 answers, §8.3, §8.1 identities).
 
 Usage::
 
@@ -11,8 +11,8 @@ returns a decision — :class:`Accept` (how to read the body), :class:`Retry` or
 (the server does not serve suffix ranges) — or raises the error that ends the request.
 :class:`HTTPSource` does the I/O around it: one ``requests.Session`` shared by every thread;
 redirects followed by hand; the token sent to the base URL's origin only; ``.netrc`` never read.
-Each retry is logged at WARNING on the ``refstream.http`` logger (URL, byte range, attempt,
-delay); no message carries a token or a request header.
+Each retry and each rate-limit wait is logged at WARNING on the ``refstream.http`` logger (URL,
+byte range, attempt or quota, delay); no message carries a token or a request header.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import logging
+import os
 import random
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.cookiejar import DefaultCookiePolicy
 from typing import TypeVar
@@ -38,6 +39,7 @@ from refstream.errors import (
     HTTPStatusError,
     MalformedDataset,
     PayloadChanged,
+    RateLimited,
     RetriesExhausted,
     ShortRead,
     UsageError,
@@ -46,7 +48,7 @@ from refstream.meta import check_relpath
 from refstream.source import Source, byte_range, check_span, check_tail
 
 __all__ = ["HTTPSource", "RetryPolicy", "Accept", "Retry", "FallBack", "judge_response",
-           "parse_retry_after"]
+           "parse_retry_after", "parse_decimal"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5  # the Hub needs 1 (resolve -> CDN); more hops mean a loop
 _CHUNK_BYTES = 1 << 16  # socket read granularity for response bodies
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
+_RATE_LIMIT = re.compile(r'"([^"]*)"\s*;\s*r\s*=\s*0+\s*;\s*t\s*=\s*([0-9]+)')  # quota spent
+_OBSOLETE_YEAR = re.compile(r"-([0-9]{2}) ")  # RFC 850's two-digit year: 06-Nov-94
+_WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+RATE_LIMIT_WAIT_ENV = "REFSTREAM_RATE_LIMIT_WAIT_S"
 _T = TypeVar("_T")
 
 
@@ -80,7 +86,8 @@ class Retry:
     """This attempt failed in a way the next one may not."""
 
     cause: FetchError  # what failed; chained to RetriesExhausted when no attempt is left
-    after_s: float | None = None  # the server's Retry-After in seconds, None when it gave none
+    after_s: float | None = None  # the server's Retry-After or RateLimit reset, None: neither
+    quota: str = ""  # the quota a RateLimit header names as spent, "" when none
 
 
 @dataclass(frozen=True)
@@ -99,9 +106,13 @@ def judge_response(status: int, headers: Mapping[str, str], *,
     asked_range = first_last is not None or suffix is not None
     if status in RETRY_STATUSES:
         after_s = parse_retry_after(headers.get("Retry-After"), now)
+        spent = _RATE_LIMIT.match(headers.get("RateLimit", "").strip(" \t"))
+        if status in (429, 503) and spent:
+            return Retry(HTTPStatusError(f"{where}: HTTP {status}"),
+                         max(float(spent[2]), after_s or 0.0), spent[1])
         return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
     if status == 200 and not asked_range:
-        size = _decimal(headers.get("Content-Length"))
+        size = parse_decimal(headers.get("Content-Length"))
         return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
     if status == 206 and asked_range:
         match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
@@ -120,7 +131,7 @@ def judge_response(status: int, headers: Mapping[str, str], *,
     if status == 200 and asked_range:  # the server ignored Range
         if "Content-Range" in headers:
             raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
-        total = _decimal(headers.get("Content-Length"))
+        total = parse_decimal(headers.get("Content-Length"))
         if total is None:
             raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
         if total > whole_body_cap_bytes and suffix is not None:
@@ -155,20 +166,26 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     """``Retry-After`` in seconds (a decimal or an HTTP date, SPEC §8.2 rule 3), None when absent
     or invalid; a date is measured from ``now`` (default: the clock)."""
     value = (value or "").strip()
-    if _decimal(value) is not None:
+    if parse_decimal(value) is not None:
         return float(value)
-    try:
+    now = now or datetime.now(timezone.utc)
+    try:  # an impossible date (Feb 30, second 60) raises ValueError
         when = email.utils.parsedate_to_datetime(value)
+        when = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+        if two_digits := _OBSOLETE_YEAR.search(value):  # RFC 9110: at most 50 years ahead
+            year = now.year // 100 * 100 + int(two_digits[1])
+            when = when.replace(year=year - 100 if year > now.year + 50 else year)
     except (TypeError, ValueError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
+    if value[:3] != _WEEKDAYS[when.weekday()] and not value[:3].isdigit():
+        return None  # the weekday disagrees with the date
+    return max(0.0, (when - now).total_seconds())
 
 
-def _decimal(text: str | None) -> int | None:
-    """``text`` as an integer when it is a decimal (ASCII digits, SPEC §8.2), else None."""
-    return int(text) if text and text.isascii() and text.isdigit() else None
+def parse_decimal(text: str | None) -> int | None:
+    """``text`` as an integer when, spaces and tabs around it removed, it is a decimal (§8.2)."""
+    text = (text or "").strip(" \t")
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def _bad_content_range(headers, where: str) -> BadRangeResponse:
@@ -186,17 +203,17 @@ def _check_size(known_size: int | None, total: int | None, where: str) -> None:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long to retry a transient failure (SPEC §8.3; seconds)."""
+    """How often and how long to retry a transient failure, and how long one request may wait
+    on rate limits in all (SPEC §8.3; seconds; default ``$REFSTREAM_RATE_LIMIT_WAIT_S``)."""
 
     max_attempts: int = 5
     backoff_base_s: float = 0.25
     backoff_cap_s: float = 8.0
-    retry_after_cap_s: float = 30.0
+    rate_limit_wait_s: float = field(
+        default_factory=lambda: float(os.environ.get(RATE_LIMIT_WAIT_ENV) or 360.0))
 
-    def delay_s(self, retry: int, retry_after_s: float | None) -> float:
-        """Seconds to sleep before retry number ``retry`` (1-based)."""
-        if retry_after_s is not None:
-            return min(max(retry_after_s, 0.0), self.retry_after_cap_s)
+    def delay_s(self, retry: int) -> float:
+        """Seconds to sleep before retry number ``retry`` (1-based) when the server said none."""
         return random.uniform(0.0, min(self.backoff_cap_s, self.backoff_base_s * 2 ** (retry - 1)))
 
 
@@ -281,7 +298,7 @@ class HTTPSource(Source):
         url = self.url(relpath)
         where = f"HEAD {url}"
         hops = self._get(url, where, method="HEAD")[1]
-        size = _decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
+        size = parse_decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
         if size is None:
             raise BadRangeResponse(f"{where}: no Content-Length")
         self._sizes[relpath] = size
@@ -301,6 +318,7 @@ class HTTPSource(Source):
         def attempt() -> tuple[bytes, list[requests.Response]] | Retry | FallBack:
             response, hops = self._send(method, url, headers, where)
             with contextlib.closing(response):
+                self._refuse(response.status_code, response.headers, where)
                 decision = judge_response(response.status_code, response.headers,
                                           first_last=first_last, suffix=suffix,
                                           known_size=self._sizes.get(relpath), where=where)
@@ -326,9 +344,10 @@ class HTTPSource(Source):
         return self._retrying(where, attempt)
 
     def _retrying(self, where: str, attempt: Callable[[], _T | Retry]) -> _T:
-        """Run ``attempt`` until it returns no :class:`Retry` (a failed connection is one)."""
-        policy = self.retry
-        for number in range(1, policy.max_attempts + 1):
+        """Run ``attempt`` until it returns no :class:`Retry` (a failed connection is one); an
+        answer that says when to retry is waited out without using an attempt (SPEC §8.3)."""
+        policy, number, waited_s = self.retry, 1, 0.0
+        while number <= policy.max_attempts:
             try:
                 outcome = attempt()
             except (requests.ConnectionError, requests.Timeout) as exc:
@@ -337,13 +356,30 @@ class HTTPSource(Source):
                 raise FetchError(f"{where}: {type(exc).__name__}: {exc}") from exc
             if not isinstance(outcome, Retry):
                 return outcome
-            if number < policy.max_attempts:
-                delay_s = policy.delay_s(number, outcome.after_s)
+            quota = f'quota "{outcome.quota}"' if outcome.quota else "Retry-After"
+            if outcome.after_s is not None:  # at least 1 s: a server saying 0 is not a busy loop
+                delay_s = max(1.0, outcome.after_s)
+                if waited_s + delay_s > policy.rate_limit_wait_s:
+                    raise RateLimited(
+                        f"{outcome.cause}: rate limited ({quota}, resets in {delay_s:.0f} s), "
+                        f"past the {policy.rate_limit_wait_s:.0f} s a request may wait; raise "
+                        f"{RATE_LIMIT_WAIT_ENV}") from outcome.cause
+                log.warning("%s: rate limited (%s, resets in %.0f s); waiting", outcome.cause,
+                            quota, delay_s)
+                waited_s += delay_s
+            elif number < policy.max_attempts:
+                delay_s = policy.delay_s(number)
                 log.warning("%s; attempt %d of %d failed, retrying in %.2f s", outcome.cause,
                             number, policy.max_attempts, delay_s)
-                time.sleep(delay_s)
+                number += 1
+            else:
+                break
+            time.sleep(delay_s)
         raise RetriesExhausted(f"{where}: failed {policy.max_attempts} times; "
                                f"last: {outcome.cause}") from outcome.cause
+
+    def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
+        """Raise the server's own explanation of a refused request (:class:`HubSource`'s)."""
 
     # --- transport ----------------------------------------------------------------------------
 

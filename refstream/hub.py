@@ -1,5 +1,5 @@
-"""The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots and revision pinning
-(SPEC §8.4), and content identities from the tree listing (SPEC §10.1).
+"""The Hugging Face Hub's additions to HTTP sources: ``hf://`` roots, revision pinning, shared
+redirect targets and the Hub's refusals (SPEC §8.4), content identities from the listing (§10.1).
 
 Usage::
 
@@ -9,32 +9,44 @@ Usage::
 
 A branch or tag is pinned once, at open, to its commit: DataLoader workers open the
 :func:`pinned_root`, so every file a run reads comes from that commit. The endpoint
-(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's.
+(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's. A file's signed
+target serves every thread and process of the machine until it expires (:func:`target_expiry`).
 """
 
 from __future__ import annotations
 
+import calendar
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, unquote, urljoin
+from urllib.parse import parse_qsl, quote, unquote, urljoin, urlsplit
 
 import requests
 
+from refstream import errors
 from refstream.errors import FetchError, MalformedDataset, UsageError
-from refstream.http import HTTPSource
+from refstream.http import HTTPSource, parse_decimal
 from refstream.meta import check_relpath
+from refstream.sidecar import default_cache_root, install
 
-__all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root"]
+__all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root", "target_expiry",
+           "resolve_again"]
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _NEXT_PAGE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')  # in a Link header
 # What a remembered redirect target answers once its signature expired (S3/CloudFront: 403).
 _EXPIRED_TARGET_STATUSES = frozenset({401, 403, 404, 410})
+_AMZ_DATE = re.compile(r"[0-9]{8}T[0-9]{6}Z")  # S3's signing time, 20260101T000000Z
+TARGET_LIFETIME_S = 3600.0  # of a target whose URL states no expiry
+TARGET_MARGIN_S = 60.0  # a target is resolved again this long before it expires
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,22 @@ def pinned_root(root: str, identity: str) -> str:
     return f"hf://datasets/{hf.owner}/{hf.name}@{identity.removeprefix('commit:')}{prefix}"
 
 
+def target_expiry(target: str, issued: float) -> float:
+    """When a redirect target resolved at ``issued`` expires (unix seconds, SPEC §8.4):
+    ``X-Amz-Date`` + ``X-Amz-Expires``, else ``Expires``, else ``issued`` + one hour."""
+    query = dict(parse_qsl(urlsplit(target).query))
+    signed, lifetime = query.get("X-Amz-Date", ""), parse_decimal(query.get("X-Amz-Expires"))
+    if _AMZ_DATE.fullmatch(signed) and lifetime is not None:
+        return calendar.timegm(time.strptime(signed, "%Y%m%dT%H%M%SZ")) + float(lifetime)
+    expires = parse_decimal(query.get("Expires"))
+    return float(expires) if expires is not None else issued + TARGET_LIFETIME_S
+
+
+def resolve_again(expiry: float, now: float) -> bool:
+    """Whether a target expiring at ``expiry`` is resolved again at ``now`` (SPEC §8.4)."""
+    return now >= expiry - TARGET_MARGIN_S
+
+
 def hub_endpoint(endpoint: str | None = None) -> str:
     """``endpoint``, else ``$HF_ENDPOINT``, else the public Hub; without a trailing ``/``."""
     return (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
@@ -108,7 +136,7 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
     commit = hf.revision
     api_url = hf.revision_api_url(endpoint)
     if api_url is not None:
-        with contextlib.closing(HTTPSource(endpoint, **options)) as api:
+        with contextlib.closing(HubSource(hf, endpoint, hf.revision, **options)) as api:
             body = api.get_url(api_url)[0]
         try:
             commit = json.loads(body)["sha"]
@@ -122,14 +150,18 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
 
 class HubSource(HTTPSource):
     """An :class:`HTTPSource` on one commit of a Hub dataset: the commit is every file's identity,
-    the tree listing gives content identities, and redirect targets are remembered (SPEC §8.2)."""
+    the tree listing gives content identities, and redirect targets are shared (module doc)."""
 
     def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
         super().__init__(hf.base_url(endpoint, commit), **options)
         self._commit = commit
-        self._tree_url = f"{endpoint}/api/datasets/{hf.owner}/{hf.name}/tree/{commit}"
+        self._repo = f"{hf.owner}/{hf.name}"
+        self._tree_url = f"{endpoint}/api/datasets/{self._repo}/tree/{commit}"
         self._prefix = f"{hf.prefix}/" if hf.prefix else ""
-        self._targets: dict[str, str] = {}  # url -> redirect target (one dict operation is atomic)
+        # url -> (target, expiry) and url -> the lock its resolve holds (dict operations are atomic)
+        self._targets: dict[str, tuple[str, float]] = {}
+        self._resolving: dict[str, threading.Lock] = {}
+        self._shared = default_cache_root() / "hub-targets"
 
     def identity(self, relpath: str) -> str:
         check_relpath(relpath)
@@ -157,18 +189,75 @@ class HubSource(HTTPSource):
 
     def _send(self, method: str, url: str, headers: dict[str, str],
               where: str) -> tuple[requests.Response, list[requests.Response]]:
-        """Straight to the remembered target of ``url``'s redirects, while it answers."""
-        target = self._targets.get(url)
+        """Straight to the live target of ``url``'s redirects, while it answers; else one resolve
+        at a time, whose target every thread and process then reads (SPEC §8.4)."""
+        if "/resolve/" not in url:  # an API call: answered, not redirected
+            return super()._send(method, url, headers, where)
+        target = self._live_target(url)
         if target is not None:
             response, hops = super()._send(method, target, headers, where)
             if response.status_code not in _EXPIRED_TARGET_STATUSES:
                 return response, hops
             response.close()
             self._targets.pop(url, None)
-        response, hops = super()._send(method, url, headers, where)
-        if len(hops) > 1 and response.ok:
-            self._targets[url] = response.url
-        return response, hops
+            self._shared_path(url).unlink(missing_ok=True)
+        with self._one_resolve(url):
+            target = self._live_target(url)  # another thread or process resolved it meanwhile
+            if target is None:
+                response, hops = super()._send(method, url, headers, where)
+                if len(hops) > 1 and response.ok:
+                    self._targets[url] = response.url, target_expiry(response.url, time.time())
+                    text = "{1}\n{0}".format(*self._targets[url]).encode()
+                    with contextlib.suppress(OSError):  # sharing saves resolves; it is optional
+                        install(self._shared_path(url), lambda out: out.write(text))
+                return response, hops
+        return super()._send(method, target, headers, where)
+
+    @contextlib.contextmanager
+    def _one_resolve(self, url: str) -> Iterator[None]:
+        """Held while ``url`` is resolved: by one thread of the process and, through an
+        exclusive ``flock`` in the cache folder (when it can be written), one process."""
+        with self._resolving.setdefault(url, threading.Lock()), contextlib.ExitStack() as held:
+            with contextlib.suppress(OSError):
+                self._shared.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fcntl.flock(held.enter_context(open(f"{self._shared_path(url)}.lock", "a")),
+                            fcntl.LOCK_EX)
+            yield
+
+    def _live_target(self, url: str) -> str | None:
+        """``url``'s target that needs no resolve yet, from memory or the cache folder."""
+        known = self._targets.get(url)
+        if known is None or resolve_again(known[1], time.time()):
+            with contextlib.suppress(OSError, ValueError):
+                expiry, _, target = self._shared_path(url).read_text().partition("\n")
+                known = self._targets[url] = target, float(expiry)
+        return None if known is None or resolve_again(known[1], time.time()) else known[0]
+
+    def _shared_path(self, url: str):
+        return self._shared / hashlib.sha256(url.encode()).hexdigest()[:32]
+
+    def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
+        """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN's answers carry
+        neither ``X-Error-Code`` nor ``X-Error-Message``."""
+        code, text = headers.get("X-Error-Code", ""), headers.get("X-Error-Message", "")
+        repo, said = f"{where}: dataset {self._repo}", f"HTTP {status}: {text or code}"
+        if status not in (401, 403, 404) or not (code or text):
+            return
+        if "credentials" in text:
+            raise errors.HubAuthError(f"{repo}: the Hub refused the token ({said}); set HF_TOKEN "
+                                      "to a valid token")
+        if code == "RevisionNotFound":
+            raise errors.HubRevisionNotFound(f"{repo} has no revision {self._commit!r}")
+        if code == "EntryNotFound":
+            raise MalformedDataset(f"{repo} has no such file at revision {self._commit}")
+        if code not in ("RepoNotFound", "GatedRepo") and status != 401:
+            return
+        if not self._token:
+            raise errors.HubAuthError(f"{repo} is private, gated or absent, and no token was "
+                                      "given: set HF_TOKEN to a token that can read it")
+        if code == "GatedRepo":
+            raise errors.HubAuthError(f"{repo} is gated: accept its conditions on its Hub page")
+        raise errors.HubRepoNotFound(f"{repo} does not exist, or the token cannot read it ({said})")
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
         """The files of one page of a tree listing, by relpath."""

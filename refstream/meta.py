@@ -26,6 +26,7 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 import numpy as np
@@ -72,6 +73,10 @@ VIDEO_COLUMNS = {
     "from_timestamp": "video_from_s",
     "to_timestamp": "video_to_s",
 }
+
+# LeRobot's annotation columns (its has_language_columns) and the flags of its depth maps.
+LANGUAGE_COLUMNS = ("language_persistent", "language_events")
+_DEPTH_FLAGS = ("is_depth_map", "video.is_depth_map")
 
 # Placeholders each template may (and must) use: data_path the indices, video_path also the key.
 INDEX_FIELDS = frozenset({"chunk_index", "file_index"})
@@ -123,6 +128,19 @@ class DatasetMeta:
     video_path: str | None  # info.json template, fields video_key, chunk_index, file_index
     episodes_files: list[tuple[str, int]]  # each episodes file read and its row count
     stats: dict | None  # meta/stats.json as arrays (refstream.stats), None when absent
+    # What a LeRobot trainer reads of LeRobotDatasetMetadata, under its names and types (fps,
+    # features, camera_keys, total_*, stats above too): every key of info.json as an attribute
+    # (its feature shapes tuples); the episodes table as {column: one value per row, in row
+    # order} with the columns above, named as in the file, and each episode's "tasks" when every
+    # episodes file has that column; LeRobot's keys by kind (image features are refused, §4.2).
+    info: SimpleNamespace
+    episodes: dict[str, np.ndarray | list]
+    robot_type: str | None
+    video_keys: list[str]
+    image_keys: list[str]
+    depth_keys: list[str]
+    total_tasks: int
+    has_language_columns: bool
 
     def row(self, episode: int) -> int:
         """Position of an episode id in the per-episode arrays (EpisodeSelectionError if absent)."""
@@ -173,6 +191,7 @@ def load_meta(source: Source) -> DatasetMeta:
         field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
         for name, field in VIDEO_COLUMNS.items()
     }
+    tasks = _read_tasks(source, info)
     meta = DatasetMeta(
         fps=info["fps"],
         features=features,
@@ -180,11 +199,19 @@ def load_meta(source: Source) -> DatasetMeta:
         parquet_keys=[key for key in features if key not in cameras],
         total_frames=info["total_frames"],
         total_episodes=info["total_episodes"],
-        tasks=_read_tasks(source, info),
+        tasks=tasks,
         data_path=info["data_path"],
         video_path=info["video_path"],
         episodes_files=episodes_files,
         stats=_read_stats(source),
+        info=SimpleNamespace(**info),
+        episodes=columns,
+        robot_type=info.get("robot_type"),
+        video_keys=cameras,
+        image_keys=[],
+        depth_keys=[key for key, feature in features.items() if _is_depth(feature)],
+        total_tasks=len(tasks),
+        has_language_columns=any(key in features for key in LANGUAGE_COLUMNS),
         **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
         **per_camera)
     _check_episodes(meta)
@@ -224,6 +251,8 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
     for key, feature in features.items():
         if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
             raise MalformedDataset(f"{INFO_PATH}: feature {key!r} has no string dtype")
+        if isinstance(feature.get("shape"), list):  # LeRobot's type for a shape
+            feature["shape"] = tuple(feature["shape"])
     for key, feature in features.items():
         if feature["dtype"] == "image":
             raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (images "
@@ -235,6 +264,12 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
         _check_template(info.get("video_path"), "video_path", VIDEO_FIELDS)
     info.setdefault("video_path", None)
     return info, cameras
+
+
+def _is_depth(feature: dict) -> bool:  # whether LeRobot counts it among its depth_keys
+    groups = [feature.get("info"), feature.get("video_info")]
+    return any(isinstance(group, dict) and any(group.get(flag) for flag in _DEPTH_FLAGS)
+               for group in groups)
 
 
 def _check_version(info: dict) -> None:
@@ -300,10 +335,12 @@ def _read_episodes(source: Source, info: dict,
     # Each column starts as an empty array of its type: with no episodes it is that array.
     parts = {c: [np.zeros(0, np.float64 if c.endswith("timestamp") else np.int64)] for c in wanted}
     files: list[tuple[str, int]] = []
+    tasks = []  # each file's "tasks" column as lists of strings; None for a file without it
     rows, chunk, file = 0, 0, 0
     while rows < total:
         relpath = EPISODES_PATH.format(chunk_index=chunk, file_index=file)
-        table = read_parquet(source, relpath, wanted)
+        table = read_parquet(source, relpath, wanted, optional=["tasks"])
+        tasks.append(table["tasks"].to_pylist() if "tasks" in table.column_names else None)
         if table.num_rows == 0:
             raise MalformedDataset(f"{relpath}: no episodes ({rows} of {total} read before it)")
         for column in wanted:
@@ -314,7 +351,10 @@ def _read_episodes(source: Source, info: dict,
     if rows != total:
         raise MalformedDataset(f"meta/episodes: {rows} episode rows, but {INFO_PATH} "
                                f"total_episodes is {total}")
-    return {column: np.concatenate(arrays) for column, arrays in parts.items()}, files
+    columns = {column: np.concatenate(arrays) for column, arrays in parts.items()}
+    if None not in tasks:
+        columns["tasks"] = [episode for part in tasks for episode in part]
+    return columns, files
 
 
 def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
@@ -322,14 +362,18 @@ def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
     return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
 
 
-def read_parquet(source: Source, relpath: str, columns: list[str] | None = None) -> pa.Table:
-    """A whole Parquet file's ``columns`` (None: all); MalformedDataset if one is missing."""
+def read_parquet(source: Source, relpath: str, columns: list[str] | None = None,
+                 optional: Sequence[str] = ()) -> pa.Table:
+    """A whole Parquet file's ``columns`` (None: all) and those of ``optional`` it has;
+    MalformedDataset if one of ``columns`` is missing."""
     data = source.read_bytes(relpath)
     try:
         present = set(pq.read_schema(io.BytesIO(data)).names)
         missing = [c for c in columns or [] if c not in present]
         if missing:
             raise MalformedDataset(f"{relpath}: missing column(s) {missing}")
+        if columns is not None:
+            columns = columns + [c for c in optional if c in present]
         return pq.read_table(io.BytesIO(data), columns=columns)
     except (pa.ArrowException, OSError) as exc:
         raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc

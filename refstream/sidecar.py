@@ -326,10 +326,14 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
             members = set(archive.namelist())
             for relpath, record in wanted.items():
                 name = Path(record.path).name
-                if name in members:
+                if name not in members:
+                    continue
+                try:
                     with archive.open(name) as member:  # copied in pieces, never held whole
                         _install_record(relpath, record, lambda f: shutil.copyfileobj(member, f))
                     taken += 1
+                except SidecarInvalid as exc:  # this record alone is indexed
+                    log.info("%s: %s", PUBLISHED_RELPATH, exc)
     except (RefstreamError, *UNREADABLE) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
     log.info("%s held records for %d of the %d files without one (records of other contents "

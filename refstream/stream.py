@@ -11,6 +11,7 @@ memory the training process receives)::
         dataset.set_epoch(epoch)
         for batch in loader: ...
 
+Without ``set_epoch``, each new iterator (``cycle(loader)``) plays the next epoch (SPEC §9.4).
 Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. A sample
 equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its share in the
 order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
@@ -27,14 +28,15 @@ import contextlib
 import hashlib
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import resume, shard, sidecar
-from refstream.errors import EpisodeTooLarge, TopologyChanged, UsageError, check_at_least
+from refstream import errors, resume, shard, sidecar
+from refstream.errors import EpisodeTooLarge, IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
@@ -51,8 +53,10 @@ __all__ = ["StreamingDataset", "Batch", "GIB"]
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
 # Layout of the shared position tensor (int64): where every new iterator starts, for how many
 # DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
-# earlier topologies it resumes after (0: none).
-_EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY = range(5)
+# earlier topologies it resumes after (0: none); then the last iterator started since it was
+# set and their count in its _LOW bits (0: none; see _enter).
+_EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
+_LOW = (1 << 32) - 1
 
 
 def _refuse_batches(batch, *, collate_fn_map=None):
@@ -94,9 +98,9 @@ class StreamingDataset(IterableDataset):
                              f"{sampling_strategy!r}")
         if not byte_budget_gb > 0:
             raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-        check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
-        check_at_least(1, decode_threads=decode_threads, decoded_queue_size=decoded_queue_size,
-                       batch_size=batch_size)
+        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        errors.check_at_least(1, decode_threads=decode_threads,
+                              decoded_queue_size=decoded_queue_size, batch_size=batch_size)
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -108,6 +112,7 @@ class StreamingDataset(IterableDataset):
         self.decoded_queue_size = decoded_queue_size
         self.video_decoder_cache_size = video_decoder_cache_size
         self.return_uint8 = return_uint8
+        self.delta_timestamps = delta_timestamps  # as given, like LeRobotDataset's
         self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
@@ -128,6 +133,8 @@ class StreamingDataset(IterableDataset):
             self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
                                         feature_keys=self.meta.features)
             share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
+            parts = shard.lpt_partition(self.episodes, self._frames, self.world_size)
+            self._most_workers = max(1, min(map(len, parts)))  # SPEC §2.2, Idle workers
             self.video_index: VideoIndex | None = None
             if self.meta.camera_keys:
                 self.video_index = ensure_index(source, video_relpaths(self.meta),
@@ -147,26 +154,34 @@ class StreamingDataset(IterableDataset):
         self.rank_frames = sum(self._frames_of[e] for e in share)
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
-        self._position = torch.zeros(5, dtype=torch.int64).share_memory_()
+        self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
+        self._resumes_into: int | None = None  # the epoch a loaded checkpoint continues
+        self._iterators = 0  # started in this process (see _enter)
         self.set_epoch(0)
+        if num_workers and num_workers > self._most_workers:
+            _warn_idle(num_workers, self._most_workers)
 
     def __len__(self) -> int:
-        """Samples (with ``batched``: batches) this rank yields in an epoch (SPEC §9.5); a
-        distributed or batched count needs ``num_workers``, the DataLoader's."""
-        if not self.batched and (self.repeat or self.world_size == 1):
+        """What an epoch of this rank yields (SPEC §9.5): batches with ``batched``; else samples
+        or, with ``batch_size`` and no ``repeat``, batches × ``batch_size``, so the DataLoader's
+        ``len`` is its batch count. Batch counts need ``num_workers`` (IterableOnly)."""
+        if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
-            raise UsageError(f"len() of a {'batched' if self.batched else 'distributed'} epoch "
-                             "needs the DataLoader's worker count: give num_workers=N")
-        workers = max(1, self.num_workers)
-        course = resume.Course(self._setup(self.batch_size, workers), self.episodes,
-                               self._frames, resume.Delivered(0))
+            raise IterableOnly("len() counts batches, which depend on the DataLoader's worker "
+                               "count (each one's last may be short): give num_workers=N")
+        course = resume.Course(self._setup(self.batch_size, max(1, self.num_workers)),
+                               self.episodes, self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
-                     for w in range(workers)]
-        per_item = self.batch_size if self.batched else 1  # samples per yielded item
-        return sum(-(-stop // per_item) for stop in stops)
+                     for w in range(course.setup.num_workers)]
+        batches = sum(-(-stop // self.batch_size) for stop in stops)
+        return batches if self.batched else batches * self.batch_size
+
+    def __getitem__(self, index):
+        raise IterableOnly(f"StreamingDataset is an iterable dataset, it has no item {index!r}: "
+                           "iterate it (a DataLoader, or iter(dataset)) instead")
 
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
@@ -177,26 +192,39 @@ class StreamingDataset(IterableDataset):
     # --- position: epochs and resume ----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start every following iterator at the beginning of ``epoch`` (clears a resume)."""
+        """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
+        ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self._history, self._delivered = (), None
+        if epoch == self._resumes_into and not int(self._position[_PASS]):
+            return
+        self._history, self._delivered, self._resumes_into = (), None, None
         self._set_position(epoch, 0, 0)
 
     def _set_position(self, epoch: int, samples: int, num_workers: int) -> None:
         seed = self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed  # int64 bits
         self._position.copy_(torch.tensor([epoch, samples, num_workers, seed,
-                                           _digest(self._history)]))
+                                           _digest(self._history), 0]))
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
-        the current position was set, with a DataLoader of ``num_workers`` workers."""
-        base = int(self._position[_SAMPLES])
-        state = resume.ResumeState(epoch=int(self._position[_EPOCH]), samples=base + samples,
-                                   setup=self._setup(batch_size, max(1, num_workers)),
-                                   history=self._history).to_dict()
-        resume.ResumeState.from_dict(state)  # validates (whole batches, non-negative)
-        return state
+        the position was last set (construction, ``set_epoch``, ``load_state_dict``), with a
+        DataLoader of ``num_workers`` workers (SPEC §9.4)."""
+        epoch, base = int(self._position[_EPOCH]), int(self._position[_SAMPLES])
+        course, start = self._start(batch_size, max(1, num_workers))
+        end = course.positions(self.rank, base + samples)  # ResumeError: not whole batches
+        started = max(1, int(self._position[_PASS]) & _LOW)  # iterators since the position
+        past = (end.epochs[0] - start.epochs[0], any(end.offsets)) > (started, False)
+        if past and not self.repeat:
+            raise UsageError(
+                f"state_dict(samples={samples}): this rank cannot have yielded that many since "
+                f"its position was set (epoch {epoch}, sample {base}): the {started} iterator(s) "
+                f"started since end with epoch {start.epochs[0] + started - 1}. samples counts "
+                "what was consumed since construction, set_epoch or load_state_dict")
+        if not (self.repeat or self._history):  # name the epoch in progress
+            epoch, base = end.epochs[0], sum(-(-a // batch_size) for a in end.offsets) * batch_size
+            samples = 0
+        return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
         """Start every following iterator where ``state`` left off, with ``num_workers``
@@ -214,6 +242,16 @@ class StreamingDataset(IterableDataset):
             _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
+        self._resumes_into = min(self._start(self.batch_size, workers)[1].epochs)
+
+    def _start(self, batch_size: int, num_workers: int
+               ) -> tuple[resume.Course, resume.ResumePositions]:
+        """The plans from the position on, and where each logical worker starts in them."""
+        epoch, samples, _, _, history, _ = (int(v) for v in self._position)
+        delivered = self._delivered if history else resume.Delivered(epoch)
+        course = resume.Course(self._setup(batch_size, num_workers), self.episodes,
+                               self._frames, delivered)
+        return course, course.positions(self.rank, samples)
 
     def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
         if self.batch_size is not None and batch_size != self.batch_size:
@@ -222,15 +260,15 @@ class StreamingDataset(IterableDataset):
         return resume.ResumeSetup(
             seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
             byte_budget=self.byte_budget, world_size=self.world_size,
-            num_workers=num_workers, batch_size=batch_size, repeat=self.repeat,
-            selection=resume.selection_digest(self.episodes, self._frames))
+            num_workers=min(num_workers, self._most_workers), batch_size=batch_size,
+            repeat=self.repeat, selection=resume.selection_digest(self.episodes, self._frames))
 
     # --- iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        epoch, samples, resume_workers, seed, history = (int(v) for v in self._position)
+        _, _, resume_workers, seed, history, _ = (int(v) for v in self._position)
         self.seed = seed & MASK64
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
@@ -243,13 +281,20 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"the dataset was made with num_workers={self.num_workers}, the "
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
-        delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(self.batch_size or 1, num_workers), self.episodes,
-                               self._frames, delivered)
-        positions = course.positions(self.rank, samples)
-        logical = (worker + positions.rotation) % num_workers
+        later = self._enter(info)
+        course, positions = self._start(self.batch_size or 1, num_workers)
+        if later and not self.repeat:  # the next epoch, from its beginning (SPEC §9.4)
+            delivered = resume.Delivered(min(positions.epochs) + later)
+            course = resume.Course(course.setup, self.episodes, self._frames, delivered)
+            positions = course.positions(self.rank, 0)
+        playing = course.setup.num_workers
+        if worker >= playing:  # idle: the DataLoader goes on with the others
+            if worker == playing and self.num_workers is None:
+                _warn_idle(num_workers, playing)
+            return
+        logical = (worker + positions.rotation) % playing
         limits = shard.split_limits(
-            num_workers, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
+            playing, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
             decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         episodes = course.episodes_from(self.rank, logical, epoch)
@@ -262,6 +307,18 @@ class StreamingDataset(IterableDataset):
         with contextlib.closing(WorkerStream(self, episodes, limits)) as stream:
             yield from stream.stream(runs(), self.batch_size if self.batched
                                      else self.decoded_queue_size, self.batched, info is not None)
+
+    def _enter(self, info) -> int:
+        """How many iterators started before this one since the position was set; the workers
+        of one DataLoader iterator share its base seed and (persistent) their iterator count."""
+        self._iterators += 1
+        base = os.getpid() if info is None else info.seed - info.id
+        key = hash((base, self._iterators)) % (1 << 30) + 1
+        word = int(self._position[_PASS])
+        if word >> 32 == key:
+            return (word & _LOW) - 1
+        self._position[_PASS] = key << 32 | (word & _LOW) + 1
+        return word & _LOW
 
     def _planner(self, course: resume.Course, logical: int, epoch: int,
                  byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
@@ -284,6 +341,12 @@ def _digest(history: tuple[resume.Segment, ...]) -> int:
         return 0
     text = repr([tuple(vars(segment).values()) for segment in history]).encode("ascii")
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2 | 1
+
+
+def _warn_idle(num_workers: int, playing: int) -> None:
+    warnings.warn(f"{num_workers} DataLoader workers, but a rank has only {playing} episodes: "
+                  f"workers {playing} to {num_workers - 1} stay idle (num_workers={playing} "
+                  "gives the same batches)", stacklevel=3)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -86,7 +86,7 @@ def read_episode_rows(source: Source, relpath: str, episode: int, expected_rows:
     except RefstreamError:
         raise
     except (pa.ArrowException, OSError) as exc:
-        raise TableError(f"{where}: cannot read Parquet ({exc})") from exc
+        raise TableError(f"{where}: cannot read Parquet ({' '.join(str(exc).split())})") from exc
     return table.select(wanted)
 
 

@@ -20,6 +20,17 @@ and ``.npz`` files carry their ``lfs.oid``, the SHA-256 of the content) and serv
 with ``redirect_to=<other server>`` every file request gets a ``302`` to the same file on the
 other server (carrying ``X-Linked-Etag`` / ``X-Linked-Size`` like the Hub's).
 
+Like the real Hub (its "Rate limits" docs and ``huggingface_hub.utils._http``), the fake one
+answers what it refuses with ``X-Error-Code`` / ``X-Error-Message``: no token for a repository
+that needs one, or an unknown repository without a token: 401 ``RepoNotFound``; a wrong token:
+401 "Invalid credentials in Authorization header"; an unknown repository with a token: 404
+``RepoNotFound``; an unknown revision: 404 ``RevisionNotFound``; a missing file: 404
+``EntryNotFound``. ``HubConfig.resolver_quota`` counts ``/resolve/`` answers in fixed windows of
+``quota_window_s``: each carries ``RateLimit: "resolvers";r=<left>;t=<seconds to reset>`` and
+``RateLimit-Policy``, and one past the quota is a 429. ``HubConfig.signed_s`` signs redirect
+targets as S3 does (``X-Amz-Date`` + ``X-Amz-Expires``); any server answers a signed URL past
+its expiry with 403, as S3 does.
+
 Fault modes (names accepted by :meth:`RangeServer.script`, probabilities in :class:`Faults`):
 
 ====================  ==========================================================================
@@ -48,13 +59,18 @@ answers.
 Bounded: daemon threads, at most ``max_requests`` served (later requests get a 503 and
 ``overflowed`` is set), waits end at :meth:`stop`. A handler thread ends once its client closes
 the connection, so joining the threads a test started the server's work with is how a test
-waits until every connection is closed on both sides.
+waits until every connection is closed on both sides. :meth:`stop` closes the server's side of
+every connection still open and waits for its thread: nothing of a stopped server is left to
+close later, whenever its clients are collected.
 """
 
 from __future__ import annotations
 
+import calendar
+import contextlib
 import hashlib
 import json
+import math
 import random
 import re
 import select
@@ -107,6 +123,10 @@ class HubConfig:
     revisions: dict[str, str] = field(default_factory=dict)  # branch/tag -> 40-hex commit
     token: str | None = None  # if set, resolve and API calls without it get 401
     page_size: int = 1000  # entries per page of a tree listing
+    repo: str | None = None  # the one OWNER/NAME it serves; None: any
+    resolver_quota: int = 0  # /resolve/ answers per window; 0: no quota
+    quota_window_s: int = 300
+    signed_s: int | None = None  # lifetime of signed redirect targets; None: plain targets
 
 
 @dataclass
@@ -142,6 +162,7 @@ class RangeServer:
         self.max_requests = max_requests
         self.log: list[RequestRecord] = []
         self.overflowed = False
+        self.gate: threading.Event | None = None  # when set: /resolve/ answers wait for it
         self._rng = random.Random(self.faults.seed)
         self._script: list[str] = []
         self._burst_left = 0
@@ -150,6 +171,7 @@ class RangeServer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._overrides: dict[str, bytes] = {}  # relpath -> replaced content
+        self._window = (0.0, 0)  # the resolver quota's window: when it started, answers in it
         self._httpd = _QuietServer((host, 0), _make_handler(self))
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,),
                                         daemon=True)
@@ -171,6 +193,7 @@ class RangeServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
+        self._httpd.close_connections(timeout_s=5)
 
     def script(self, *modes: str) -> None:
         """Apply these modes to the next requests, in order (before any random fault)."""
@@ -256,6 +279,21 @@ class RangeServer:
             draw -= p
         return ""
 
+    def _resolver_quota(self) -> tuple[bool, dict[str, str]]:
+        """Whether one more ``/resolve/`` answer fits the quota, and the RateLimit headers."""
+        hub, now = self.hub, time.monotonic()
+        with self._lock:
+            started, used = self._window
+            if now >= started + hub.quota_window_s:
+                started, used = now, 0
+            allowed = used < hub.resolver_quota
+            self._window = started, used + allowed
+        reset = math.ceil(started + hub.quota_window_s - now)
+        return allowed, {"RateLimit": f'"resolvers";r={hub.resolver_quota - used - allowed};'
+                                      f't={reset}',
+                         "RateLimit-Policy": f'"fixed window";"resolvers";'
+                                             f'q={hub.resolver_quota};w={hub.quota_window_s}'}
+
     def _record(self, record: RequestRecord) -> None:
         with self._lock:
             self.log.append(record)
@@ -264,6 +302,27 @@ class RangeServer:
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the default 5 drops bursts of SYNs: a 1 s resend each
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.connections: list[tuple[socket.socket, threading.Thread]] = []  # with their threads
+
+    def process_request(self, request, client_address) -> None:
+        """Serve the connection on a thread of its own, kept with it for close_connections."""
+        thread = threading.Thread(target=self.process_request_thread,
+                                  args=(request, client_address), daemon=True)
+        self.connections = [(r, t) for r, t in self.connections if t.is_alive()]
+        self.connections.append((request, thread))
+        thread.start()
+
+    def close_connections(self, timeout_s: float) -> None:
+        """Once nothing is accepted any more: shut every connection still open, so its handler
+        reads the end of the stream, and wait until its thread has closed it."""
+        for request, _ in self.connections:
+            with contextlib.suppress(OSError):  # already closed by its handler
+                request.shutdown(socket.SHUT_RDWR)
+        for _, thread in self.connections:
+            thread.join(timeout_s)
 
     def handle_error(self, request, client_address) -> None:
         """A client that gave up (timeout, retry) breaks the pipe: expected here, not news."""
@@ -309,11 +368,15 @@ def _make_handler(server: RangeServer):
             if mode is None:
                 return self._reply(503, b"request limit reached")
             hub = server.hub
-            if hub is not None and hub.token is not None and (
-                path.startswith(("/api/", "/datasets/", "/buckets/"))
-                and self.headers.get("Authorization") != f"Bearer {hub.token}"
-            ):
-                return self._reply(401, b"token required")
+            if hub is not None and path.startswith(("/api/", "/datasets/", "/buckets/")):
+                refused = self._refusal(hub, path)
+                if refused:
+                    return self._reply(refused[0], b"refused", extra=refused[1])
+            if "X-Amz-Date" in (query := parse_qs(urlsplit(self.path).query)):
+                signed = time.strptime(query["X-Amz-Date"][0] + "UTC", "%Y%m%dT%H%M%SZ%Z")
+                if calendar.timegm(signed) + int(query["X-Amz-Expires"][0]) < time.time():
+                    return self._reply(403, b"<Error><Code>AccessDenied</Code>"
+                                            b"<Message>Request has expired</Message></Error>")
             if mode == "429":
                 return self._reply(429, b"slow down",
                                    extra={"Retry-After": server.faults.retry_after})
@@ -322,26 +385,54 @@ def _make_handler(server: RangeServer):
             if hub is not None and (m := _HUB_REVISION.fullmatch(path)):
                 sha = hub.revisions.get(m[3], m[3] if re.fullmatch("[0-9a-f]{40}", m[3]) else "")
                 if not sha:
-                    return self._reply(404, b"no such revision")
+                    return self._reply(404, b"no such revision", extra={
+                        "X-Error-Code": "RevisionNotFound",
+                        "X-Error-Message": f"Invalid rev id: {m[3]}"})
                 return self._reply(200, json.dumps({"sha": sha}).encode(), head=head)
             if hub is not None and (m := _HUB_TREE.fullmatch(path)):
                 return self._serve_tree(hub, m[4] or "", head)
-            relpath = path.lstrip("/")
+            relpath, limits = path.lstrip("/"), {}
             if hub is not None and (m := _HUB_RESOLVE.fullmatch(path)):
                 relpath = m[4]
+                while server.gate is not None and not server.gate.wait(0.05):
+                    if server._stopping.is_set():
+                        return None
+                if hub.resolver_quota:
+                    allowed, limits = server._resolver_quota()
+                    if not allowed:
+                        return self._reply(429, b"rate limited", extra=limits)
             elif hub is not None and (m := _BUCKET_RESOLVE.fullmatch(path)):
                 relpath = m[3]
             content = server.content(relpath)
             if content is None:
-                return self._reply(404, b"not found")
+                code = {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"}
+                return self._reply(404, b"not found", extra=code if hub else None)
             if server.redirect_to is not None or mode == "redirect":
-                target = server.redirect_to or server
+                target, signature = server.redirect_to or server, ""
+                if hub is not None and hub.signed_s is not None:
+                    signature = (f"?X-Amz-Date={time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                                 f"&X-Amz-Expires={hub.signed_s}&X-Amz-Signature={'0' * 64}")
                 return self._reply(302, b"", extra={
-                    "Location": f"{target.url}/{quote(relpath)}",
+                    "Location": f"{target.url}/{quote(relpath)}{signature}",
                     "X-Linked-Etag": etag_of(content),
-                    "X-Linked-Size": str(len(content)),
+                    "X-Linked-Size": str(len(content)), **limits,
                 })
             self._serve_file(content, range_header, mode, head)
+
+        def _refusal(self, hub: HubConfig, path: str) -> tuple[int, dict[str, str]] | None:
+            """The Hub's 401 or 404 for a request it refuses (module docstring), else None."""
+            sent = self.headers.get("Authorization")
+            if hub.token is not None and sent is not None and sent != f"Bearer {hub.token}":
+                return 401, {"X-Error-Message": "Invalid credentials in Authorization header"}
+            repo = re.match(r"/(?:api/)?(?:datasets|buckets)/([^/]+/[^/]+)", path)
+            unknown = hub.repo is not None and repo is not None and repo[1] != hub.repo
+            if (hub.token is not None or unknown) and sent is None:
+                return 401, {"X-Error-Code": "RepoNotFound",
+                             "X-Error-Message": "Repository not found"}
+            if unknown:
+                return 404, {"X-Error-Code": "RepoNotFound",
+                             "X-Error-Message": "Repository not found"}
+            return None
 
         def _serve_tree(self, hub: HubConfig, folder: str, head: bool) -> None:
             """One page of the listing; the query's ``cursor`` is where the page starts."""

@@ -172,7 +172,8 @@ def test_ready_batches_of_each_rank_end_with_the_dataloaders(root, rank):
     ready = StreamingDataset(root, batch_size=BATCH, batched=True, **options)
     assert len(ready) == len(got) == 4  # batches, every rank the same number (SPEC §9.5)
     samples = sum(len(b["index"]) for b in want)
-    assert len(StreamingDataset(root, batch_size=BATCH, **options)) == samples
+    plain = StreamingDataset(root, batch_size=BATCH, **options)  # batches × BATCH: the loader's
+    assert len(plain) == len(want) * BATCH and len(DataLoader(plain, batch_size=BATCH)) == 4
     if rank == 0:  # 16 frames would make 5 batches: the end rule cuts the last one
         assert samples < ready.rank_frames
 

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from refstream.hub import TARGET_LIFETIME_S
 from refstream.tools import baselines, bench, droid
 from refstream.tools.cli import main
 from refstream.tools.demo import read_frame_label
@@ -116,3 +117,13 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     assert http["traffic"]["video_requests"] == QUICK.episodes * QUICK.cameras
     assert http["traffic"]["video_bytes"] >= report["spans"]["span_bytes"] > 0
     assert {t["key"] for t in report["targets"]} == set(bench.TARGET_TEXT)
+    hub = report["hub_run"]  # one resolve per file for the main process and its workers
+    assert hub["resolves"] == hub["files"] > 0 and hub["most_per_file"] == 1
+    assert hub["target_requests"] >= QUICK.episodes * QUICK.cameras  # spans from the targets
+
+
+def test_hub_projection_counts_each_file_once_per_target_lifetime():
+    config = QUICK  # so few episodes that the first 5 minutes touch every file
+    resolves = droid.hub_resolves(config)
+    assert resolves.first_window == resolves.files > 0
+    assert resolves.window_average == resolves.files * droid.QUOTA_WINDOW_S / TARGET_LIFETIME_S

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 
 import pytest
 
@@ -64,6 +65,23 @@ def test_a_wrong_option_gets_that_commands_usage(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: refstream stream ")
     assert "unrecognized arguments: --no-such-option" in err
+
+
+def test_lerobot_train_hands_every_other_argument_to_lerobot(monkeypatch, capsys):
+    received = []
+    module = type(sys)("refstream.tools.lerobot_train")  # stands in for LeRobot's trainer
+    module.main = lambda argv: received.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "refstream.tools.lerobot_train", module)
+    flags = ["--policy.type=act", "--dataset.root", "http://127.0.0.1:1/", "--steps=5"]
+    assert main(["lerobot-train", *flags]) == 0
+    assert received == [flags]
+
+
+def test_lerobot_train_without_lerobot_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lerobot", None)  # what importing it finds: nothing
+    monkeypatch.delitem(sys.modules, "refstream.tools.lerobot_train", raising=False)
+    assert main(["lerobot-train", "--policy.type=act"]) == 2
+    assert "pip install 'refstream[lerobot]'" in capsys.readouterr().err
 
 
 def test_stream_options_are_the_datasets_with_its_defaults():
@@ -126,7 +144,7 @@ def test_an_error_from_a_worker_reaches_python_as_one_line(dataset):
     with pytest.raises(EpisodeTooLarge) as raised:
         next(iter(loader))
     message = str(raised.value)
-    assert "\n" not in message and message.endswith("(in DataLoader worker 0)")
+    assert "\n" not in message and message.endswith("(in DataLoader worker process 0)")
     assert message.startswith("episode ")
     assert "Traceback" in raised.value.worker_traceback
 

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from leaks import Baseline
-from rangeserver import Faults, RangeServer, second_loopback_host
+from rangeserver import Faults, HubConfig, RangeServer, second_loopback_host
 from torch.utils.data import DataLoader
 
 import refstream.stream
@@ -363,8 +363,8 @@ NAMED = re.compile(r"(http://127\.0\.0\.1:\d+)(/\S+) bytes (\d*)-(\d+)")
 
 
 def assert_names_url_range_and_episode(run: Run, server: RangeServer, oracle: Oracle) -> None:
-    # through a DataLoader the message is the worker's traceback; its last line is the error
-    message = run.message.strip().splitlines()[-1]
+    message = run.message
+    assert "\n" not in message, message  # also from a DataLoader worker
     found = NAMED.search(message)
     assert found, f"no URL and byte range in: {run.message}"
     base, path, first, last = found.groups()
@@ -443,3 +443,43 @@ def test_persistent_5xx_with_two_workers_stops_and_names_the_request(dataset_roo
     assert run.error is errors.RetriesExhausted, f"{run.error}: {run.message}"
     assert run.seconds < STOP_BOUND_S + 5  # + worker start-up
     assert_names_url_range_and_episode(run, server, oracle)
+
+
+# --- the Hub's resolver quota ------------------------------------------------------------------
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# Fewer /resolve/ answers per window than the dataset has files, and a window longer than the
+# jittered backoff of every attempt together (<= 3.75 s): only waiting for the reset survives it.
+RESOLVER_QUOTA, QUOTA_WINDOW_S = 3, 5
+
+
+def test_an_epoch_with_two_workers_waits_out_the_hub_resolver_quota(dataset_root, oracle, sources,
+                                                                    second_host, monkeypatch,
+                                                                    tmp_path):
+    waits = tmp_path / "waits.log"  # every process's waits: DataLoader workers log there too
+    handler = logging.FileHandler(waits)
+    handler.setFormatter(logging.Formatter("%(process)d %(message)s"))
+    logging.getLogger("refstream.http").addHandler(handler)
+    config = HubConfig(revisions={"main": HUB_COMMIT}, resolver_quota=RESOLVER_QUOTA,
+                       quota_window_s=QUOTA_WINDOW_S, signed_s=3600)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    try:
+        with RangeServer(dataset_root, host=second_host) as cdn, \
+                RangeServer(dataset_root, hub=config, redirect_to=cdn) as hub:
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            run = consume(streaming("hf://datasets/owner/name"), oracle, num_workers=2)
+    finally:
+        logging.getLogger("refstream.http").removeHandler(handler)
+        handler.close()
+    assert_complete(run)
+    resolves = [r for r in hub.log if "/resolve/" in r.path]
+    limited = [r for r in resolves if r.status == 429]
+    assert limited, "the quota was never reached"
+    lines = waits.read_text().splitlines()
+    assert len(lines) == len(limited)  # one WARNING per wait, in whichever process waited
+    assert all(re.search(r'HTTP 429: rate limited \(quota "resolvers", resets in [1-5] s\); '
+                         "waiting$", line) for line in lines), lines
+    assert len({line.split()[0] for line in lines}) >= 2, "no DataLoader worker met the quota"
+    resolved = Counter(r.path for r in resolves if r.status == 302)
+    assert max(resolved.values()) <= 3  # at most once per process (main + 2 workers) per file
+    assert all(r.status in (200, 206) and "X-Amz-Signature=" in r.path for r in cdn.log)

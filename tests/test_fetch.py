@@ -22,8 +22,11 @@ from rangeserver import Faults, HubConfig, RangeServer, etag_of, second_loopback
 from refstream.errors import (
     BadRangeResponse,
     HTTPStatusError,
+    HubAuthError,
+    HubRevisionNotFound,
     MalformedDataset,
     PayloadChanged,
+    RateLimited,
     RetriesExhausted,
     ShortRead,
     UnsafePath,
@@ -44,7 +47,7 @@ FILE_BYTES = 300_000
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "hf_secretTOKENvalue123"
 FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_cap_s=0.05,
-                   retry_after_cap_s=0.2)
+                   rate_limit_wait_s=5.0)
 # Read timeouts. A loopback answer takes milliseconds, but a loaded machine can stall a thread for
 # a while: a normal request must never time out (that would be an unplanned retry), so tests read
 # with NORMAL; a "slow" fault never answers in time (Faults.slow_s), so SLOW_FAULT only decides
@@ -257,14 +260,38 @@ def test_transient_faults_are_retried_to_success(folder, server, modes):
     assert [r.mode for r in server.log] == [*modes, ""]
 
 
-def test_retry_after_is_honoured_and_capped(folder):
+def test_retry_after_is_waited_without_using_an_attempt(folder, caplog):
+    with RangeServer(folder, faults=Faults(retry_after="1")) as srv:
+        source = http(srv.url)
+        srv.script(*["429"] * FAST.max_attempts)  # as many as the attempts: none is used
+        started = time.monotonic()
+        assert source.read_range("small.bin", 0, 10) == (folder / "small.bin").read_bytes()[:10]
+        elapsed = time.monotonic() - started
+    assert elapsed >= FAST.max_attempts * 1.0  # each Retry-After: 1 waited in full
+    waits = [r.getMessage() for r in caplog.records if r.name == "refstream.http"]
+    assert len(waits) == FAST.max_attempts
+    assert all("HTTP 429: rate limited (Retry-After, resets in 1 s); waiting" in w for w in waits)
+
+
+def test_a_rate_limit_past_the_bound_fails_at_once_naming_quota_reset_and_setting(folder):
     with RangeServer(folder, faults=Faults(retry_after="30")) as srv:
         source = http(srv.url)
         srv.script("429")
         started = time.monotonic()
-        source.read_range("small.bin", 0, 10)
-        elapsed = time.monotonic() - started
-    assert FAST.retry_after_cap_s <= elapsed < 10  # waited the cap (0.2 s), not 30 s
+        with pytest.raises(RateLimited) as info:
+            source.read_range("small.bin", 0, 10)
+        assert time.monotonic() - started < 10  # no wait: 30 s is past the 5 s bound
+    message = str(info.value)
+    assert "bytes 0-9: HTTP 429: rate limited (Retry-After, resets in 30 s)" in message
+    assert "past the 5 s a request may wait; raise REFSTREAM_RATE_LIMIT_WAIT_S" in message
+    assert len(srv.log) == 1
+
+
+def test_the_rate_limit_bound_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REFSTREAM_RATE_LIMIT_WAIT_S", "12.5")
+    assert RetryPolicy().rate_limit_wait_s == 12.5
+    monkeypatch.delenv("REFSTREAM_RATE_LIMIT_WAIT_S")
+    assert RetryPolicy().rate_limit_wait_s == 360.0  # a 5-minute quota window and more
 
 
 def test_parse_retry_after_seconds_and_http_date():
@@ -286,11 +313,10 @@ def test_decimals_are_ascii_digits_only():
 
 def test_backoff_is_full_jitter_under_the_cap():
     policy = RetryPolicy(backoff_base_s=1.0, backoff_cap_s=3.0)
-    delays = [policy.delay_s(retry, None) for retry in (1, 2, 3, 4) for _ in range(200)]
+    delays = [policy.delay_s(retry) for retry in (1, 2, 3, 4) for _ in range(200)]
     assert all(0 <= d <= 3.0 for d in delays)
-    assert max(policy.delay_s(1, None) for _ in range(200)) <= 1.0
+    assert max(policy.delay_s(1) for _ in range(200)) <= 1.0
     assert max(delays) > 2.5  # the cap is reached by later retries
-    assert policy.delay_s(1, 100.0) == policy.retry_after_cap_s
 
 
 @pytest.mark.parametrize("length", [1, 4096, FILE_BYTES, FILE_BYTES + 1])
@@ -357,6 +383,16 @@ def test_ignored_range_on_a_small_file_is_sliced(folder, server):
     server.script("ignore_range")
     data = (folder / "small.bin").read_bytes()
     assert source.read_range("small.bin", 100, 50) == data[100:150]
+
+
+@pytest.mark.parametrize("past_end", [1, 2])
+def test_ignored_range_ending_past_the_end_is_a_short_read(folder, server, past_end):
+    """The whole 5,000-byte file for bytes 4990-(4999 + past_end): not one byte fewer, accepted."""
+    source = http(server.url)
+    server.script("ignore_range")
+    with pytest.raises(ShortRead, match=f"bytes 4990-{4999 + past_end}: file has only 5000"):
+        source.read_range("small.bin", 4990, 10 + past_end)
+    assert [(r.mode, r.status) for r in server.log] == [("ignore_range", 200)]
 
 
 def test_fault_mix_delivers_every_byte(folder):
@@ -489,8 +525,10 @@ def test_the_test_server_is_bounded_in_requests(folder):
 
 
 @pytest.fixture
-def hub(folder):
-    """A fake Hub on 127.0.0.1 that redirects file requests to a second loopback host."""
+def hub(folder, tmp_path, monkeypatch):
+    """A fake Hub on 127.0.0.1 that redirects file requests to a second loopback host; redirect
+    targets are shared through a cache folder of the test's own."""
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
     with RangeServer(folder, host=second_loopback_host()) as cdn:
         config = HubConfig(revisions={"main": COMMIT, "v1.0": COMMIT}, token=TOKEN)
         with RangeServer(folder, hub=config, redirect_to=cdn) as hub_server:
@@ -519,11 +557,11 @@ def test_hf_dataset_pins_the_commit_and_keeps_the_token_on_the_hub(folder, hub, 
 
 def test_hf_dataset_errors_never_show_the_token(folder, hub):
     hub_server, cdn = hub
-    with pytest.raises(MalformedDataset) as info:  # unknown revision: the API answers 404
+    with pytest.raises(HubRevisionNotFound) as info:  # unknown revision: the API answers 404
         open_hf_source("hf://datasets/owner/name@nope", endpoint=hub_server.url, token=TOKEN,
                        retry=FAST)
     assert TOKEN not in str(info.value)
-    with pytest.raises(HTTPStatusError, match="HTTP 401") as info:  # wrong token
+    with pytest.raises(HubAuthError, match="HTTP 401") as info:  # wrong token
         open_hf_source("hf://datasets/owner/name", endpoint=hub_server.url, token="hf_wrong",
                        retry=FAST)
     assert "hf_wrong" not in str(info.value)
@@ -586,7 +624,7 @@ def test_hf_root_syntax_is_checked():
 
 # --- conformance cases (hand-derived expectations in spec/fixtures/fetch) -----------------------
 
-CASES = [c for kind in ("range_response", "suffix_response", "hf_url")
+CASES = [c for kind in ("range_response", "suffix_response", "hf_url", "hub_target")
          for c in load_cases(kind=kind)]
 
 

@@ -19,7 +19,7 @@ from refstream.source import LocalSource, open_source
 FILE_BYTES = 300_000
 TOKEN = "hf_refstreamSecretToken0123456789"
 FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_cap_s=0.05,
-                   retry_after_cap_s=0.2)
+                   rate_limit_wait_s=5.0)
 
 
 @pytest.fixture

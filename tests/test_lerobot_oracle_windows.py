@@ -44,7 +44,7 @@ def episode_columns(meta, episode: int) -> dict[str, np.ndarray]:
     for key in meta.parquet_keys:
         column = rows[key].combine_chunks()
         shape = meta.features[key]["shape"]
-        if shape == [1]:
+        if shape == (1,):
             columns[key] = column.to_numpy()
         else:
             columns[key] = column.flatten().to_numpy().reshape(len(column), *shape)

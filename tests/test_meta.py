@@ -145,6 +145,17 @@ def test_stats_columns_are_never_read(tmp_path):
     assert load_meta(LocalSource(tmp_path)).length.tolist() == [4, 6]
 
 
+def test_each_episodes_task_strings_are_read_when_every_file_has_them(tmp_path):
+    layout = write_layout(tmp_path, [4, 6, 5], episodes_per_meta_file=2)
+    meta = load_meta(LocalSource(tmp_path))
+    assert meta.episodes["tasks"] == [[layout.tasks[e % 2]] for e in range(3)]
+    assert meta.episodes["dataset_from_index"] is meta.from_index  # the columns, by file name
+    last = tmp_path / layout.meta_files[-1]
+    pq.write_table(pq.read_table(last).drop_columns(["tasks"]), last)
+    meta = load_meta(LocalSource(tmp_path))  # no error: the column is not needed
+    assert "tasks" not in meta.episodes and meta.length.tolist() == [4, 6, 5]
+
+
 def test_a_dataset_without_cameras_has_no_video_path(tmp_path):
     write_layout(tmp_path, [2, 3], cameras=[])
     meta = load_meta(LocalSource(tmp_path))

@@ -116,7 +116,7 @@ def test_a_refused_token_is_not_echoed(hub, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     wrong = "hf_refstreamWrongToken9876543210fedcba"
     monkeypatch.setenv("HF_TOKEN", wrong)
-    with pytest.raises(errors.HTTPStatusError, match="HTTP 401") as info:
+    with pytest.raises(errors.HubAuthError, match="the Hub refused the token") as info:
         StreamingDataset(ROOT, seed=0)
     assert wrong not in text_of(info.value) and TOKEN not in text_of(info.value)
     assert wrong not in caplog.text

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -698,6 +699,26 @@ def test_a_published_index_is_checked_record_by_record(root, cache, tmp_path):
     counting = Counting()
     assert ensure(root, tmp_path / "third", indexer=counting).origin == "built"
     assert sorted(counting.calls) == RELPATHS
+
+
+# Records that a ZIP's CRC cannot tell from good ones: only verifying each one refuses them.
+UNVERIFIED = {
+    "digest": lambda path: flip(path, path.stat().st_size - 3),  # array bytes, digest kept
+    "dts decreases": lambda path: rewrite(path, lambda m, f: f.update(dts=f["dts"][::-1].copy())),
+}
+
+
+@pytest.mark.parametrize("check", list(UNVERIFIED))
+def test_a_published_record_that_does_not_verify_is_indexed_again(root, cache, tmp_path, check):
+    built = ensure(root, cache)
+    UNVERIFIED[check](record_of(built, RELPATHS[0]))
+    published = export_index(built, root / sidecar.PUBLISHED_RELPATH)
+    with zipfile.ZipFile(published) as archive:
+        assert archive.testzip() is None  # every member's CRC holds
+    counting = Counting()
+    index = ensure(root, tmp_path / "fresh", indexer=counting)
+    assert counting.calls == [RELPATHS[0]]  # the others are taken from the published index
+    assert_matches_oracle(index, root)
 
 
 def test_an_unusable_cache_folder_is_a_sidecar_error_naming_it(root, tmp_path):

@@ -1,7 +1,8 @@
 """Normalisation statistics against LeRobot's own files: ``meta/stats.json`` as LeRobot 0.6.1
 loads it, and the per-episode statistics LeRobot wrote into ``meta/episodes``, which combined
 over every episode must give back the ``stats.json`` LeRobot made from them; a subset's combined
-mean, std, min, max and count must equal the same numbers computed straight from its rows."""
+mean, std, min, max and count must equal the same numbers computed straight from its rows, also
+when its episodes' statistics lie in several ``meta/episodes`` files."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from refstream.errors import MalformedDataset, UsageError
-from refstream.stats import aggregate_stats, episode_stats, parse_stats
+from refstream.meta import load_meta
+from refstream.source import LocalSource
+from refstream.stats import aggregate_stats, episode_stats, parse_stats, selection_stats
+from refstream.tools.demo import write_demo_dataset
 
 ROOT = Path(__file__).resolve().parent.parent / "spec" / "fixtures" / "lerobot" / "lr_av1"
 QUANTILES = ("q01", "q10", "q50", "q90", "q99")
@@ -112,6 +116,8 @@ def dataset(tmp_path, monkeypatch):
 
 def test_the_dataset_answers_what_lerobots_does(dataset):
     info = json.loads((ROOT / "meta" / "info.json").read_text())
+    for feature in info["features"].values():  # LeRobot's DatasetInfo makes shapes tuples
+        feature["shape"] = tuple(feature["shape"])
     full, some = dataset(), dataset(episodes=[1, 3])
     assert (full.fps, full.features, full.camera_keys) == (
         info["fps"], info["features"],
@@ -148,3 +154,74 @@ def test_a_dataset_without_stats_json_has_none(tmp_path, monkeypatch):
     (root / "meta" / "stats.json").unlink()
     monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path / "cache"))
     assert StreamingDataset(root).meta.stats is None
+
+
+# --- a selection whose statistics lie in several episodes files ----------------------------------
+
+SPLIT_LENGTHS = (6, 9, 4, 7, 5, 8, 3)
+
+
+@pytest.fixture(scope="module")
+def split_root(tmp_path_factory) -> Path:
+    """A demo dataset whose episodes table is three files: episodes 0-2, 3-5 and 6."""
+    root = tmp_path_factory.mktemp("split") / "dataset"
+    write_demo_dataset(root, episode_lengths=SPLIT_LENGTHS, cameras=["observation.images.front"],
+                       size=(16, 16), episodes_per_meta_file=3)
+    return root
+
+
+def stats_by_episode(root: Path) -> dict[int, dict[str, dict[str, np.ndarray]]]:
+    """Each episode's ``stats/<feature>/<stat>`` values, found by its ``episode_index``."""
+    found = {}
+    for path in sorted((root / "meta" / "episodes").rglob("*.parquet")):
+        table = pq.read_table(path).to_pylist()
+        for row in table:
+            stats: dict = {}
+            for name, value in row.items():
+                if name.startswith("stats/"):
+                    feature, _, stat = name.removeprefix("stats/").rpartition("/")
+                    stats.setdefault(feature, {})[stat] = np.asarray(value, np.float64)
+            found[row["episode_index"]] = stats
+    return found
+
+
+@pytest.mark.parametrize("episodes", [[6, 1, 4], [2, 3], [5], list(range(7))])
+def test_selection_stats_over_several_episodes_files(split_root, episodes):
+    source = LocalSource(split_root)
+    meta = load_meta(source)
+    assert [count for _, count in meta.episodes_files] == [3, 3, 1]
+    got = selection_stats(source, meta, episodes)
+
+    # the moments of the row features, straight from the selected episodes' data rows
+    rows = pq.read_table(split_root / "data").to_pydict()
+    chosen = np.isin(np.asarray(rows["episode_index"]), episodes)
+    for feature in ("observation.state", "action", "frame_index", "index", "episode_index"):
+        values = np.asarray(rows[feature], np.float64)[chosen].reshape(int(chosen.sum()), -1)
+        assert got[feature]["count"].tolist() == [len(values)]
+        np.testing.assert_array_equal(got[feature]["min"], values.min(axis=0))
+        np.testing.assert_array_equal(got[feature]["max"], values.max(axis=0))
+        np.testing.assert_allclose(got[feature]["mean"], values.mean(axis=0), rtol=1e-9)
+        np.testing.assert_allclose(got[feature]["std"], values.std(axis=0), rtol=1e-9, atol=1e-12)
+
+    # every stat of every feature (camera and quantiles too) as SPEC §4.7 combines the episodes'
+    parts = [stats_by_episode(split_root)[e] for e in episodes]
+    assert set(got) == set(parts[0])
+    for feature, stats in got.items():
+        of = [part[feature] for part in parts]
+        counts = [stat["count"][0] for stat in of]
+
+        def weighted(values, counts=counts):
+            return sum(n * v for n, v in zip(counts, values, strict=True)) / sum(counts)
+
+        mean = weighted([stat["mean"] for stat in of])
+        spread = [stat["std"] ** 2 + (stat["mean"] - mean) ** 2 for stat in of]
+        expected = {
+            "count": [sum(counts)], "mean": mean,
+            "min": np.min([stat["min"] for stat in of], axis=0),
+            "max": np.max([stat["max"] for stat in of], axis=0),
+            "std": np.sqrt(weighted(spread)),
+            **{q: weighted([stat[q] for stat in of]) for q in QUANTILES},
+        }
+        assert set(stats) == set(expected), feature
+        for name, value in expected.items():
+            np.testing.assert_allclose(stats[name], value, rtol=1e-12, err_msg=f"{feature}/{name}")

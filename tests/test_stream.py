@@ -8,8 +8,11 @@ tolerance). Nothing of refstream is used to build it.
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
 from itertools import islice
@@ -21,10 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 import refstream.worker
 from refstream.budget import ByteBudget
-from refstream.errors import EpisodeTooLarge, TableError, TopologyChanged, UsageError
+from refstream.errors import EpisodeTooLarge, IterableOnly, TableError, TopologyChanged, UsageError
 from refstream.sidecar import MappedIndex
 from refstream.stream import GIB, StreamingDataset
 from refstream.tools.demo import read_frame_label, serve_directory, write_demo_dataset
@@ -362,23 +366,16 @@ def test_len_is_what_a_rank_yields_in_an_epoch(resume_root, world_size, num_work
         dataset = StreamingDataset(resume_root, rank=rank, world_size=world_size,
                                    batch_size=batch_size, num_workers=num_workers, repeat=repeat)
         loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
-        batches = iter(loader)
-        yielded = 0
-        while yielded < len(dataset) + (batch_size if repeat else 10**9):
-            try:
-                yielded += len(next(batches)["index"])
-            except StopIteration:
-                break
-        del batches
         if repeat:  # endless: an epoch is every frame of the rank
             assert len(dataset) == dataset.rank_frames
-        else:
-            assert len(dataset) == yielded, (rank, len(dataset), yielded)
+            continue
+        batches = len(list(loader))  # each worker's last batch may be short
+        assert len(loader) == batches and len(dataset) == batches * batch_size, rank
 
 
 def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
     dataset = StreamingDataset(resume_root, rank=0, world_size=2, batch_size=4)
-    with pytest.raises(UsageError, match="num_workers"):
+    with pytest.raises(IterableOnly, match="worker count .* give num_workers=N"):
         len(dataset)
     dataset = StreamingDataset(resume_root, batch_size=4, num_workers=2)
     with pytest.raises(UsageError, match="num_workers=2"):
@@ -583,3 +580,173 @@ def test_hub_roots_are_pinned_to_the_commit_for_workers():
     assert pinned_root("hf://datasets/o/n@main/sub/dir", f"commit:{sha}") == (
         f"hf://datasets/o/n@{sha}/sub/dir")
     assert pinned_root("http://host/data", 'etag:"x"') == "http://host/data"
+
+
+class _AccelerateLoader:
+    """What accelerate's ``DataLoaderShard.__iter__`` does (accelerate/data_loader.py): call
+    ``set_epoch(self.iteration)`` on the dataset, iterate the DataLoader, count the pass."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.iteration = loader, 0
+
+    def __iter__(self):
+        self.loader.dataset.set_epoch(self.iteration)
+        yield from self.loader
+        self.iteration += 1
+
+
+def test_set_epoch_of_the_epoch_a_checkpoint_resumes_into_keeps_it(resume_root):
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    fresh = StreamingDataset(resume_root, **options)
+    epoch0 = _run(fresh, 2, BATCH)
+    fresh.set_epoch(1)
+    epoch1 = _run(fresh, 2, BATCH)
+    state = StreamingDataset(resume_root, **options).state_dict(
+        3 * BATCH, batch_size=BATCH, num_workers=2)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    loader = _AccelerateLoader(DataLoader(resumed, batch_size=BATCH, num_workers=2))
+    assert _labels(loader) == epoch0[3:]  # set_epoch(0) kept the checkpoint
+    assert _labels(loader) == epoch1  # set_epoch(1) moved on
+    resumed.load_state_dict(state)
+    assert _run(resumed, 2, BATCH, 1) == epoch0[3:4]
+    resumed.set_epoch(0)  # an iterator started since the load: epoch 0 from its beginning
+    assert _run(resumed, 2, BATCH) == epoch0
+
+
+def test_an_item_by_index_says_the_dataset_is_iterable(resume_root):
+    dataset = StreamingDataset(resume_root)
+    with pytest.raises(IterableOnly, match=r"iterable dataset, it has no item 3: iterate it"):
+        dataset[3]
+    with pytest.raises(TypeError):  # what Python code expects of an object without items
+        dataset[0]
+
+
+def _cycle(loader):
+    """lerobot-train's ``cycle(loader)``: a new iterator whenever one ends."""
+    while True:
+        yield from loader
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_loop_that_never_sets_the_epoch_moves_to_the_next_one(resume_root, num_workers,
+                                                                  persistent):
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    reference = StreamingDataset(resume_root, **options)
+    epochs = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        epochs.append(_run(reference, num_workers, BATCH))
+    everything = sorted((e, f) for e, n in enumerate(RESUME_LENGTHS) for f in range(n))
+    assert all(sorted(x for b in batches for x in b) == everything for batches in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    flat = [b for batches in epochs for b in batches]
+
+    def loop(dataset):
+        return _cycle(DataLoader(dataset, batch_size=BATCH, num_workers=num_workers,
+                                 persistent_workers=persistent))
+
+    assert _labels(islice(loop(StreamingDataset(resume_root, **options)), len(flat))) == flat
+    # A checkpoint in epoch 1, its samples counted from the start of training, resumes exactly.
+    steps = len(epochs[0]) + 3
+    first = StreamingDataset(resume_root, **options)
+    assert _labels(islice(loop(first), steps)) == flat[:steps]
+    state = first.state_dict(steps * BATCH, batch_size=BATCH, num_workers=num_workers)
+    assert (state["epoch"], state["samples"]) == (1, 3 * BATCH)  # the epoch in progress
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    assert _labels(islice(loop(resumed), len(flat) - steps)) == flat[steps:]
+
+
+def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root, tmp_path):
+    write_demo_dataset(tmp_path, episode_lengths=(60,) * 5, cameras=())  # 300 frames
+    dataset = StreamingDataset(tmp_path, seed=1, batch_size=4)
+    with pytest.raises(UsageError, match=r"state_dict\(samples=100000\): this rank cannot have "
+                       r"yielded that many .* since construction, set_epoch or load_state_dict"):
+        dataset.state_dict(100000, batch_size=4, num_workers=2)
+    whole = dataset.state_dict(300, batch_size=4, num_workers=2)  # the whole epoch: 75 batches
+    assert (whole["epoch"], whole["samples"]) == (1, 0)
+    # An epoch loop that counts samples from the start of training.
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    dataset = StreamingDataset(resume_root, **options)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=2)
+    epochs, steps = [], 0
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        epochs.append(_labels(loader))
+        steps += len(epochs[0]) if epoch == 0 else 3
+    with pytest.raises(UsageError, match="samples counts what was consumed since construction"):
+        dataset.state_dict(steps * BATCH, batch_size=BATCH, num_workers=2)
+    # README's recipe: the samples of the epoch in progress, set_epoch on resume.
+    state = dataset.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(state["epoch"])
+    assert _run(resumed, 2, BATCH) == epochs[1][3:]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_len_tqdm_and_list_of_the_readme_loaders(resume_root, batched):
+    """README's two idioms with 2 workers: len(loader) is the batches that arrive, though each
+    worker's last batch is short (15 batches of 3 from 42 frames, not 14)."""
+    loader_batch = None if batched else 3
+    options = {"seed": 0, "batch_size": 3, "batched": batched, "return_uint8": True}
+    dataset = StreamingDataset(resume_root, num_workers=2, **options)
+    loader = DataLoader(dataset, batch_size=loader_batch, num_workers=2)
+    arrived = list(loader)
+    assert len(arrived) == 15 > -(-sum(RESUME_LENGTHS) // 3)
+    assert len(loader) == len(arrived) == len(dataset) // (1 if batched else 3)
+    bar = tqdm(loader, file=io.StringIO())
+    assert bar.total == sum(1 for _ in bar) == 15
+    # Without the worker count, len() says what it needs, and tqdm and list go on without it.
+    dataset = StreamingDataset(resume_root, **options)
+    loader = DataLoader(dataset, batch_size=loader_batch, num_workers=2)
+    with pytest.raises(IterableOnly, match="worker count"):
+        len(loader)
+    bar = tqdm(loader, file=io.StringIO())
+    assert bar.total is None and len(list(bar)) == len(list(loader)) == 15
+
+
+IDLE_SCRIPT = """
+import sys
+from torch.utils.data import DataLoader
+from refstream import StreamingDataset
+dataset = StreamingDataset(sys.argv[1], seed=3, batch_size=2)
+print(sum(len(b["index"]) for b in DataLoader(dataset, batch_size=2, num_workers=5)))
+"""
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create [35] worker processes")
+def test_workers_beyond_the_episodes_stay_idle(tmp_path):
+    write_demo_dataset(tmp_path, episode_lengths=(7, 5, 9), cameras=())
+    options = {"seed": 3, "batch_size": 2}
+    three = _run(StreamingDataset(tmp_path, **options), 3, 2)
+    # The count known at construction: one warning there, the batches of 3 workers.
+    with pytest.warns(UserWarning, match=r"^5 DataLoader workers, but a rank has only 3 "
+                      r"episodes: workers 3 to 4 stay idle \(num_workers=3 gives the same"):
+        told = StreamingDataset(tmp_path, num_workers=5, **options)
+    assert _run(told, 5, 2) == three and len(told) == 2 * len(three)
+    state = told.state_dict(4 * 2, batch_size=2, num_workers=5)
+    with pytest.warns(UserWarning, match="stay idle"):
+        resumed = StreamingDataset(tmp_path, num_workers=5, **options)
+    resumed.load_state_dict(state, num_workers=5)
+    assert _run(resumed, 5, 2) == three[4:]
+    # Known only to the workers: the first idle one warns, once, and the others go on.
+    done = subprocess.run([sys.executable, "-c", IDLE_SCRIPT, str(tmp_path)], check=True,
+                          capture_output=True, text=True)
+    assert done.stdout.split() == ["21"]
+    assert done.stderr.count("stay idle") == 1, done.stderr
+
+
+def test_accelerates_own_loader_resumes_exactly(resume_root):
+    """The test above with accelerate's DataLoaderShard, where accelerate is installed (the
+    LeRobot environment)."""
+    shard_loader = pytest.importorskip("accelerate.data_loader").DataLoaderShard
+    options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
+    loader = shard_loader(StreamingDataset(resume_root, **options), batch_size=BATCH,
+                          num_workers=2)
+    epoch0, epoch1 = _labels(loader), _labels(loader)
+    resumed = StreamingDataset(resume_root, **options)
+    resumed.load_state_dict(resumed.state_dict(3 * BATCH, batch_size=BATCH, num_workers=2))
+    loader = shard_loader(resumed, batch_size=BATCH, num_workers=2)
+    assert (_labels(loader), _labels(loader)) == (epoch0[3:], epoch1)

@@ -30,7 +30,7 @@ from refstream.budget import ByteBudget
 from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
-from refstream.hub import hub_endpoint, parse_hf_root
+from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
@@ -299,6 +299,11 @@ def kind_hf_url(case: dict) -> dict:
     url = HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"])
     identity = None if hf.kind == "buckets" else f"commit:{commit}"
     return {"revision_api_url": api_url, "url": url, "identity": identity}
+
+
+def kind_hub_target(case: dict) -> dict:
+    expiry = target_expiry(case["target"], case["issued"])
+    return {"expiry": expiry, "resolve": resolve_again(expiry, case["now"])}
 
 
 def kind_row_group_candidates(case: dict) -> dict:

@@ -20,8 +20,11 @@ the consuming thread and the workers, split into ``decode+RGB`` (the ceiling's),
 rest) and ``collate`` (the DataLoader's collation, part of the loader's); time to the first
 batch; peak RSS (sampled through the pass) and PSS (at its first batch and end) above the main
 process's; decode amplification (decoded ÷ delivered frames); the server's requests and bytes
-against the minimal spans. Then planner figures for a DROID-sized rank, and the targets. The
-machine's other work shows in every figure.
+against the minimal spans. One epoch through the Hub that ``refstream.tools.scale`` emulates
+counts the ``/resolve/`` requests per file the main process and the workers made (each file's
+signed target shared for its lifetime). Then planner figures for a DROID-sized rank, the Hub
+resolves of a DROID-sized run (``droid.hub_resolves``), and the targets. The machine's other
+work shows in every figure.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from unittest import mock
+from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -55,10 +60,12 @@ from refstream.tools.baselines import Ceiling, cpu_seconds, decode_ceiling
 from refstream.tools.droid import (
     DROID_EPISODES,
     MIXING_BATCHES,
+    HubResolves,
     Mixing,
     PlannerFigures,
     batch_mixing,
     droid_lengths,
+    hub_resolves,
     planner_figures,
 )
 
@@ -86,6 +93,10 @@ TARGET_TEXT = {
     "ttfs": "time to first sample over HTTP <= 3 s (sidecar built), at x1 and xN episodes",
     "ttfs_flat": "time to first sample flat in dataset size: xN <= 1.5 x the x1 time",
     "elastic": "resuming a DROID-sized rank's checkpoint on 3/4 of the ranks <= 30 s per rank",
+    "hub_resolves": "Hub epoch (emulated): resolves per file per process <= 1 (each target lives "
+                    "an hour, shared by the main process and every worker)",
+    "hub_droid": "Hub resolves per 5 minutes of a DROID-sized run (8 ranks x 4 workers, 500 "
+                 "samples/s per rank), over a target's hour <= 1,500 (half the anonymous quota)",
 }
 MB = 1_000_000
 LONG_GOP = "h264-g30"  # the long-GOP dataset's method names end so
@@ -530,6 +541,24 @@ class Target:
 
 
 @dataclass(frozen=True)
+class HubRun:
+    """One epoch from the emulated Hub: what the main process and its workers resolved."""
+
+    processes: int  # the main process and the DataLoader workers
+    files: int  # files read through the Hub
+    resolves: int  # /resolve/ requests
+    most_per_file: int  # the most resolves of one file
+    target_requests: int  # requests straight to a remembered target
+
+    def line(self) -> str:
+        return (f"Hub epoch (emulated, {self.processes} processes): {self.resolves} resolves for "
+                f"{self.files} files ({self.resolves / max(1, self.files):.2f} per file, at most "
+                f"{self.most_per_file}; {self.resolves / max(1, self.files * self.processes):.2f}"
+                f" per file per process), then {self.target_requests} requests straight to the "
+                "signed targets")
+
+
+@dataclass(frozen=True)
 class BenchReport:
     config: BenchConfig
     root: str
@@ -546,6 +575,8 @@ class BenchReport:
     ttfs_s: dict[str, float]  # "x1" / "xN" -> median seconds over HTTP
     planner: PlannerFigures
     droid_mixing: list[Mixing]
+    hub_run: HubRun
+    hub_droid: HubResolves
     targets: list[Target]
     seconds: float
 
@@ -637,7 +668,7 @@ class BenchReport:
                 f"batch mixing (DROID-sized rank, {mix.strategy}): {mix.mean_distinct:.2f} "
                 f"distinct episodes per batch of {mix.batch_size} vs "
                 f"{mix.uniform_mean_distinct:.2f} uniform ({mix.batches} batches)")
-        out += ["", "targets:"]
+        out += [self.hub_run.line(), self.hub_droid.line(), "", "targets:"]
         for t in self.targets:
             out.append(f"  [{'pass' if t.passed else 'MISS'}] {t.text}: {t.measured}")
         out += ["", f"bench took {self.seconds:.0f} s"]
@@ -721,6 +752,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             gop_figures = (gop_ceiling, gop_ceiling.frames_per_s / delivered_per_sample,
                            _cpu_ms(gop_ceiling, delivered_per_sample))
 
+        say("refstream from the emulated Hub: resolves per file")
+        hub_run = hub_epoch(root, config, windows)
         say("map-style baseline")
         methods.insert(0, Method("map-style", passes(
             lambda r: _map_style(root, config, windows, r), config.baseline_batches)))
@@ -736,6 +769,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     rank = shard.rank_share(list(range(len(droid))), droid, 0, config.droid_ranks)
     droid_mixing = [batch_mixing(rank, [droid[e] for e in rank], config, s, MIXING_BATCHES)
                     for s in ("pool", "round_robin")]
+    say("Hub resolves of a DROID-sized run")
+    hub_droid = hub_resolves(config)
     report = BenchReport(
         config=config, root=str(root), episodes=int(meta.total_episodes),
         frames=int(meta.total_frames), cameras=len(meta.camera_keys),
@@ -743,9 +778,28 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         ceiling_samples_per_s=ceiling.frames_per_s / delivered_per_sample,
         ceiling_cpu_ms=_cpu_ms(ceiling, delivered_per_sample),
         long_gop=gop_figures, ttfs_s=ttfs, planner=planner, droid_mixing=droid_mixing,
-        targets=[], seconds=0.0)
+        hub_run=hub_run, hub_droid=hub_droid, targets=[], seconds=0.0)
     return replace(report, targets=evaluate_targets(report),
                    seconds=time.perf_counter() - started)
+
+
+def hub_epoch(root: Path, config: BenchConfig, windows: dict) -> HubRun:
+    """One epoch of ``root`` from the Hub that ``scale.hub_route`` emulates (no token)."""
+    from refstream.tools import scale  # it imports this module
+
+    with demo.serve_directory(root) as server, demo.environment("HF_ENDPOINT", server.url), \
+            mock.patch.dict(os.environ, {"HF_TOKEN": ""}):
+        server.route = scale.hub_route(root, server.url)
+        _, loader = _streaming(f"hf://datasets/{scale.HUB_REPO}", config, windows, 0)
+        for _ in loader:
+            pass
+    resolve = f"/datasets/{scale.HUB_REPO}/resolve/{scale.HUB_COMMIT}/"
+    paths = [unquote(urlsplit(path).path) for method, path, _, _ in server.log
+             if method == "GET" and "/api/" not in path]
+    resolved = Counter(path.removeprefix(resolve) for path in paths if path.startswith(resolve))
+    files = {path.removeprefix(resolve).lstrip("/") for path in paths}
+    return HubRun(1 + config.num_workers, len(files), resolved.total(),
+                  max(resolved.values(), default=0), len(paths) - resolved.total())
 
 
 def ceiling_median(root: Path, meta: DatasetMeta, config: BenchConfig) -> Ceiling:
@@ -816,9 +870,14 @@ def evaluate_targets(report: BenchReport) -> list[Target]:
     ]
     if xn is not None:
         targets.append(("ttfs_flat", f"{xn:.2f} s vs 1.5 x {x1:.2f} s", xn <= 1.5 * x1))
-    p = report.planner
+    p, hub, droid = report.planner, report.hub_run, report.hub_droid
     targets.append(("elastic", f"{p.elastic_s:.2f} s for {p.elastic_ranks[0]} -> "
                                f"{p.elastic_ranks[1]} ranks", p.elastic_s <= 30.0))
+    targets.append(("hub_resolves", f"{hub.resolves} resolves of {hub.files} files by "
+                                    f"{hub.processes} processes, at most {hub.most_per_file} "
+                                    "per file", hub.most_per_file <= 1))
+    targets.append(("hub_droid", f"{droid.window_average:,.0f} (the first 5 minutes: "
+                                 f"{droid.first_window:,})", droid.window_average <= 1500))
     return [Target(key, TARGET_TEXT[key].replace("xN", f"x{c.ttfs_scale}"), measured, passed)
             for key, measured, passed in targets]
 

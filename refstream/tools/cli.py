@@ -93,7 +93,7 @@ def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Name
     its own usage when an option is wrong."""
     parser = subparsers.add_parser(name, help=help_text, description=help_text,
                                    formatter_class=_Formatter, parents=[_COMMON, *parents])
-    parser.set_defaults(parser=parser, run=run)
+    parser.set_defaults(parser=parser, run=run, passthrough=False)
     return parser
 
 
@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
-    if unknown:
+    if unknown and not args.passthrough:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     try:
         return args.run(args)
     except RefstreamError as exc:
@@ -544,8 +545,26 @@ def run_bench(args) -> int:
 
 
 # Each sub-command's add_<name>, in the order the help lists them.
+def add_lerobot_train(subparsers) -> None:
+    p = _command(subparsers, "lerobot-train", "run LeRobot's trainer (lerobot-train, from the "
+                 "lerobot extra) on a StreamingDataset: give lerobot-train's own flags, e.g. "
+                 "--policy.type=act --dataset.repo_id=OWNER/NAME --dataset.root=ROOT, where ROOT "
+                 "may be a folder, an http(s):// URL or hf://datasets/OWNER/NAME[@REV] "
+                 "(lerobot-train --help lists them)", run_lerobot_train)
+    p.set_defaults(passthrough=True)  # every other argument is lerobot-train's
+
+
+def run_lerobot_train(args) -> int:
+    try:
+        from refstream.tools.lerobot_train import main as train
+    except ImportError as exc:
+        raise UsageError(f"lerobot-train needs LeRobot: pip install 'refstream[lerobot]' "
+                         f"({exc})") from exc
+    return train(args.unknown)
+
+
 COMMANDS = (add_conformance, add_demo, add_stream, add_plan, add_index, add_inspect, add_doctor,
-            add_bench)
+            add_bench, add_lerobot_train)
 
 
 if __name__ == "__main__":

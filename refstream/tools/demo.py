@@ -2,10 +2,10 @@
 ``refstream demo``, the bench and the tests, not the streaming path.
 
 ``write_demo_dataset(root, ...)`` writes the layout LeRobot's recorder writes (``meta/info.json``,
-``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` with its
-``stats/*`` columns, data Parquet with one row group per episode, videos). Like LeRobot, each
-episode is encoded as its own video with PyAV and the episodes of a file are concatenated packet
-by packet, each starting at the previous one's ``to_timestamp``.
+``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` (or
+several such files) with its ``stats/*`` columns, data Parquet with one row group per episode,
+videos). Like LeRobot, each episode is encoded as its own video with PyAV and the episodes of a
+file are concatenated packet by packet, each starting at the previous one's ``to_timestamp``.
 
 Every frame carries its label (:func:`frame_picture`, flat grey blocks laid out as the
 ``LABEL_*`` constants say): the top row the episode id, the middle row the frame index. Flat
@@ -319,11 +319,13 @@ def write_demo_dataset(root: str | os.PathLike, *,
                                                  "observation.images.wrist"),
                        size: tuple[int, int] | Mapping[str, tuple[int, int]] = (64, 48),
                        fps: int = 30, codec: str = "libsvtav1", gop: int = 2, bframes: int = 0,
-                       episodes_per_video_file: int = 4, episodes_per_data_file: int = 3) -> None:
+                       episodes_per_video_file: int = 4, episodes_per_data_file: int = 3,
+                       episodes_per_meta_file: int | None = None) -> None:
     """Write a LeRobot v3.0 dataset of labelled frames under ``root`` (created if missing).
     ``size``: (width, height) of every camera, or a mapping camera → (width, height) (cameras
     of different sizes cannot be mixed up unnoticed); ``codec``: ``"libsvtav1"`` (LeRobot's
-    default, ``gop`` 2) or ``"libx264"`` (``gop=30, bframes=2`` for reordered video)."""
+    default, ``gop`` 2) or ``"libx264"`` (``gop=30, bframes=2`` for reordered video);
+    ``episodes_per_meta_file``: rows per ``meta/episodes`` file (None: one file)."""
     if codec not in ENCODER_NAMES:
         raise ValueError(f"codec must be one of {sorted(ENCODER_NAMES)}, got {codec!r}")
     lengths = [int(n) for n in episode_lengths]
@@ -335,12 +337,14 @@ def write_demo_dataset(root: str | os.PathLike, *,
     first_index = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     data_files = _file_indices(len(lengths), episodes_per_data_file)
     video_files = _file_indices(len(lengths), episodes_per_video_file)
+    meta_files = _file_indices(len(lengths), episodes_per_meta_file or len(lengths))
     rows = [_episode_rows(e, n, int(first_index[e]), fps) for e, n in enumerate(lengths)]
 
     _write_data(root, rows, data_files, features)
     _write_videos(root, lengths, sizes, fps, codec, _encoder_options(codec, gop, bframes),
                   video_files)
-    _write_episodes(root, lengths, fps, first_index, rows, data_files, video_files, sizes)
+    _write_episodes(root, lengths, fps, first_index, rows, data_files, video_files, meta_files,
+                    sizes)
     pq.write_table(_tasks_table(), root / "meta" / "tasks.parquet")
     _write_info_and_stats(root, features, fps, lengths, rows, sizes)
 
@@ -398,7 +402,8 @@ def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, in
 
 def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.ndarray,
                     rows: list[dict], data_files: list[tuple[int, int]],
-                    video_files: list[tuple[int, int]], sizes: dict[str, tuple[int, int]]) -> None:
+                    video_files: list[tuple[int, int]], meta_files: list[tuple[int, int]],
+                    sizes: dict[str, tuple[int, int]]) -> None:
     # Each episode's (from_s, to_s) in its video file: it starts where the previous one ended.
     times = []
     for e, placed in enumerate(video_files):
@@ -422,13 +427,15 @@ def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.nd
     for name in per_episode[0]:
         for stat in per_episode[0][name]:
             columns[f"stats/{name}/{stat}"] = [s[name][stat].tolist() for s in per_episode]
-    columns["meta/episodes/chunk_index"] = [0] * len(lengths)
-    columns["meta/episodes/file_index"] = [0] * len(lengths)
+    columns["meta/episodes/chunk_index"] = [c for c, _ in meta_files]
+    columns["meta/episodes/file_index"] = [f for _, f in meta_files]
     types = {"tasks": pa.list_(pa.string())}
     table = pa.table({k: pa.array(v, type=types.get(k)) for k, v in columns.items()})
-    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    for chunk, file in sorted(set(meta_files)):
+        rows_of_file = [e for e, placed in enumerate(meta_files) if placed == (chunk, file)]
+        path = root / "meta" / "episodes" / f"chunk-{chunk:03d}" / f"file-{file:03d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.take(rows_of_file), path)
 
 
 def _episode_stats(rows: dict[str, np.ndarray],
@@ -491,7 +498,8 @@ class LoopbackServer:
     log: list[tuple[str, str, str | None, int]] = field(default_factory=list)
     # Called with (path, client address) before each request is answered; may block to hold it.
     hold: Callable[[str, tuple], None] | None = None
-    # The request target -> the relpath of a file to serve, or an answer: (body, headers).
+    # The request target -> the relpath of a file to serve, or an answer: (body, headers), a
+    # 302 when the headers have a Location.
     route: Callable[[str], str | tuple[bytes, dict[str, str]]] = file_route
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -551,8 +559,9 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
             if server_state.hold is not None:
                 server_state.hold(self.path, self.client_address)
             routed = server_state.route(self.path)
-            if isinstance(routed, tuple):
-                self._finish(HTTPStatus.OK, dict(routed[1]), routed[0], send_body)
+            if isinstance(routed, tuple):  # an answer; a redirect when it has a Location
+                status = HTTPStatus.FOUND if "Location" in routed[1] else HTTPStatus.OK
+                self._finish(status, dict(routed[1]), routed[0], send_body)
                 return
             path = (root / routed).resolve()
             if root not in path.parents or not path.is_file():

@@ -1,11 +1,13 @@
 """Planner figures on a DROID-sized rank for ``refstream bench``: anchors/s, the worst resume
 fast-forward, an elastic resume and batch mixing, on synthetic episode lengths
-(:func:`droid_lengths`) without any video.
+(:func:`droid_lengths`) without any video; and the Hub resolves a DROID-sized run would make
+(:func:`hub_resolves`).
 
 Use::
 
     figures = planner_figures(config, bytes_per_frame)   # config: a bench.BenchConfig
     mixing = batch_mixing(episodes, frames, config, "pool", MIXING_BATCHES)
+    resolves = hub_resolves(config)
 """
 
 from __future__ import annotations
@@ -17,18 +19,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from refstream import resume, shard
+from refstream.hub import TARGET_LIFETIME_S
 from refstream.planner import Planner
 from refstream.stream import GIB
 
 if TYPE_CHECKING:
     from refstream.tools.bench import BenchConfig
 
-__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "PlannerFigures", "Mixing"]
+__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "hub_resolves", "PlannerFigures",
+           "Mixing", "HubResolves"]
 
 DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
 DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
 PLANNER_TIMED_ANCHORS = 300_000  # anchors emitted to time the planner (a worker has ~1.7 M)
 MIXING_BATCHES = 2_000  # batches per worker compared for mixing on the DROID-sized rank
+# The Hub run projected: ranks on one machine (one IP address, one cache folder), DataLoader
+# workers per rank, samples/s per rank; the Hub's resolver quota window ("Rate limits" docs).
+HUB_RANKS, HUB_WORKERS, HUB_SAMPLES_PER_S, QUOTA_WINDOW_S = 8, 4, 500, 300
+DROID_CAMERAS = 3
+# File sizes as LeRobot rolls DROID's files, and the bytes a frame adds to each: the mean video
+# sample (DROID's 369 GB over its 82.8 M samples) and a data Parquet row (refstream.tools.scale).
+VIDEO_FILE_BYTES, DATA_FILE_BYTES = 200 << 20, 100 << 20
+SAMPLE_BYTES, DATA_ROW_BYTES = 4_450, 200
 
 
 def droid_lengths(count: int, seed: int) -> list[int]:
@@ -103,6 +115,51 @@ def elastic_figures(frames: list[int], config: BenchConfig,
     planner.skip(start.offsets[0])
     next(planner)
     return (old, new), time.perf_counter() - started, samples * old
+
+
+@dataclass(frozen=True)
+class HubResolves:
+    """The Hub resolves of a run whose processes share live targets (SPEC §8.4)."""
+
+    ranks: int
+    workers: int  # per rank
+    samples_per_s: int  # per rank
+    files: int  # video files (every camera) and data files of the dataset
+    first_window: int  # files the run touches in its first quota window: its resolves there
+    window_average: float  # the files touched per target lifetime, per quota window
+
+    def line(self) -> str:
+        return (f"Hub resolves (DROID-sized, {self.ranks} ranks x {self.workers} workers on one "
+                f"machine, {self.samples_per_s} samples/s per rank, targets shared): "
+                f"{self.window_average:,.0f} per {QUOTA_WINDOW_S // 60} minutes over a target's "
+                f"{TARGET_LIFETIME_S / 3600:.0f} h; {self.first_window:,} in the first "
+                f"{QUOTA_WINDOW_S // 60} minutes (every file touched once; {self.files:,} files)")
+
+
+def hub_resolves(config: BenchConfig) -> HubResolves:
+    """Play each worker's plan of a DROID-sized run for one quota window at its share of the
+    rate; a file is resolved once per target lifetime for the whole machine, so the first window
+    resolves every file touched in it, and each lifetime at most every file of the dataset.
+    Files: episodes in index order rolled over by size, the same for every camera."""
+    frames = droid_lengths(config.droid_episodes, config.seed)
+    ids, lengths = list(range(len(frames))), np.asarray(frames, np.int64)
+    video = (np.cumsum(lengths * SAMPLE_BYTES) - lengths * SAMPLE_BYTES) // VIDEO_FILE_BYTES
+    data = (np.cumsum(lengths * DATA_ROW_BYTES) - lengths * DATA_ROW_BYTES) // DATA_FILE_BYTES
+    pool = shard.split_limits(HUB_WORKERS, pool_size=config.pool_size, byte_budget=None,
+                              decoder_cache=None, cameras=DROID_CAMERAS).pool_size
+    anchors, touched = HUB_SAMPLES_PER_S * QUOTA_WINDOW_S // HUB_WORKERS, set()
+    for rank in range(HUB_RANKS):
+        share = shard.rank_share(ids, frames, rank, HUB_RANKS)
+        parts = shard.worker_shares(share, [frames[e] for e in share], HUB_WORKERS)
+        for worker, part in enumerate(parts):
+            planner = Planner(part, [frames[e] for e in part], seed=config.seed, epoch=0,
+                              rank=rank, worker=worker, pool_size=pool)
+            touched.update(next(planner)[0] for _ in range(min(anchors, planner.remaining)))
+    first = sorted(touched)
+    files = DROID_CAMERAS * (int(video[-1]) + 1) + int(data[-1]) + 1
+    return HubResolves(HUB_RANKS, HUB_WORKERS, HUB_SAMPLES_PER_S, files,
+                       DROID_CAMERAS * len(set(video[first])) + len(set(data[first])),
+                       files * QUOTA_WINDOW_S / TARGET_LIFETIME_S)
 
 
 @dataclass(frozen=True)

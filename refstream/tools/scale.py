@@ -35,7 +35,7 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -243,7 +243,8 @@ def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[s
     serves the dataset ``HUB_REPO`` at commit ``HUB_COMMIT`` (what :mod:`refstream.hub` asks,
     SPEC §8.4, §10.1); other paths are the folder's files. A file's ``lfs.oid`` is the SHA-256
     of its relpath and size: a stable content identity is all the index needs (hashing 370 GB of
-    holes would tell no more)."""
+    holes would tell no more). A ``/resolve/`` request is a 302 to the file's path with an hour's
+    S3-style signature, as the Hub redirects to its CDN (the signature is not checked)."""
     api = f"/api/datasets/{HUB_REPO}/"
     tree = f"{api}tree/{HUB_COMMIT}"
     files = f"/datasets/{HUB_REPO}/resolve/{HUB_COMMIT}/"
@@ -277,7 +278,11 @@ def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[s
                 headers["Link"] = f'<{url}{after}>; rel="next"'
             page = entries[start : start + HUB_PAGE_ENTRIES]
             return json.dumps(page).encode(), headers
-        return path.removeprefix(files).lstrip("/")
+        if path.startswith(files):
+            signed = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            return b"", {"Location": f"{url}/{quote(path.removeprefix(files))}?X-Amz-Date="
+                                     f"{signed}&X-Amz-Expires=3600&X-Amz-Signature={'0' * 64}"}
+        return path.lstrip("/")
 
     return route
 
