@@ -272,6 +272,11 @@ def _is_depth(feature: dict) -> bool:  # whether LeRobot counts it among its dep
                for group in groups)
 
 
+def _not_json(token: str) -> None:
+    """Python's json reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON has no such tokens."""
+    raise ValueError(f"{token} is not a JSON value")
+
+
 def _check_version(info: dict) -> None:
     version = info.get("codebase_version")
     storage = info.get("storage_format", "parquet")
@@ -478,15 +483,17 @@ def _read_stats(source: Source) -> dict | None:
         data = source.read_bytes(STATS_PATH)
     except MalformedDataset:  # what every source raises for a missing file
         return None
-    return parse_stats(parse_json(data, STATS_PATH))
+    return parse_stats(parse_json(data, STATS_PATH, allow_nan=True))  # as LeRobot writes it
 
 
-def parse_json(data: bytes, relpath: str) -> object:
-    """The JSON value of metadata file ``relpath``; MalformedDataset when it is not JSON."""
+def parse_json(data: bytes, relpath: str, allow_nan: bool = False) -> object:
+    """The JSON value of metadata file ``relpath``: UTF-8 without a byte-order mark, ``NaN`` and
+    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); MalformedDataset when it is not."""
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedDataset(f"{relpath}: not valid JSON ({exc})") from exc
+        return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _not_json)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedDataset(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
+                               "(RFC 8259) without a byte-order mark") from exc
 
 
 # --- meta/tasks.parquet ------------------------------------------------------------------------
@@ -502,8 +509,9 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         raise MalformedDataset(f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are "
                                f"not 0..{len(index) - 1}")
     total = info.get("total_tasks")
-    if total is not None and total != len(index):
+    integer = isinstance(total, int) and not isinstance(total, bool)
+    if total is not None and not (integer and total == len(index)):
         raise MalformedDataset(f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks "
-                               f"is {total}")
+                               f"is {total!r} (it must be the integer {len(index)} or absent)")
     rows = sorted(zip(index.tolist(), table["task"].to_pylist(), strict=True))
     return [text for _, text in rows]  # by task_index, a permutation of 0 … n-1

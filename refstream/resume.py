@@ -315,8 +315,6 @@ class Course:
     def after(self, samples: int, byte_sizes: Mapping[int, int] | None) -> Delivered:
         """What has been delivered once every rank consumed ``samples`` with this topology;
         under a byte budget the replay needs every episode's ``byte_sizes``."""
-        if self.setup.byte_budget is not None and byte_sizes is None:
-            raise UsageError("replaying workers under a byte budget needs the byte sizes")
         starts = [self.positions(rank, samples) for rank in range(self.setup.world_size)]
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),
@@ -340,7 +338,10 @@ class Course:
 def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[int],
                  byte_sizes: Mapping[int, int] | None = None) -> Delivered:
     """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (SPEC
-    §3.9); ``byte_sizes`` as :meth:`Course.after` needs them."""
+    §3.9); under a byte budget ``byte_sizes`` (of every episode) are needed, else UsageError."""
+    if state.setup.byte_budget is not None and byte_sizes is None:
+        raise UsageError("replaying workers under a byte budget needs the byte sizes of every "
+                         "episode")
     delivered = Delivered(state.epoch)
     for segment in state.history:
         topology = {name: getattr(segment, name) for name in TOPOLOGY}

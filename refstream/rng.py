@@ -10,8 +10,8 @@ language reproduces it; numpy's generators are never used. Use::
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
 
 The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
-like the definition, and equal the plain-integer form ``u64``. A seed, label, ``n`` or id outside
-SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
+like the definition, and equal the plain-integer form ``u64``. A seed, label, index, ``n`` or id
+outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 
 def u64(key: int, i: int) -> int:
-    """Word ``i`` (``i ≥ 0``) of the stream of ``key`` (SPEC §1.3)."""
-    return mix64(key + (i + 1) * GOLDEN_GAMMA)
+    """Word ``i`` (``0 ≤ i < 2⁶⁴``, else UsageError) of the stream of ``key`` (SPEC §1.3)."""
+    return mix64(key + (check_int(i, "an RNG index", 0, MASK64) + 1) * GOLDEN_GAMMA)
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
@@ -95,9 +95,17 @@ def below(n: int, key: int, i: int) -> int:
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``ids`` (distinct, non-negative) in the keyed order of SPEC §1.3, as ``int64``."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and ids.min() < 0:
-        raise UsageError(f"permutation ids must be non-negative, got {int(ids.min())}")
-    # lexsort sorts by its last key first: primary u64(key, id), ties (never seen) by id.
-    return ids[np.lexsort((ids, u64_array(key, ids)))]
+    """``ids`` (distinct non-negative integers, else UsageError) in the keyed order of SPEC §1.3,
+    as ``int64``."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+        raise UsageError(f"permutation ids must be non-negative integers, got {ids.dtype} ids "
+                         f"as low as {ids.min()}")
+    ids = ids.astype(np.int64)
+    # lexsort sorts by its last key first: primary u64(key, id), then id, so equal ids meet.
+    order = ids[np.lexsort((ids, u64_array(key, ids)))]
+    repeated = order[1:][order[1:] == order[:-1]]
+    if repeated.size:
+        raise UsageError(f"permutation ids must be distinct, {sorted(set(repeated.tolist()))} "
+                         "occur more than once")
+    return order

@@ -260,6 +260,8 @@ def run_topology(inp, first, seen, world, workers, batch, batches):
 
 def expected_elastic(inp: dict) -> dict:
     """Every new worker's anchors of the rest of the epochs in progress (SPEC §3.9)."""
+    if inp.get("byte_budget") is not None and inp.get("byte_sizes") is None:
+        return {"error": "UsageError"}  # the old admissions cannot be replayed
     topologies = [*(h[:3] for h in inp["history"]),
                   (inp["world_size"], inp["num_workers"], inp["batch_size"])]
     for world, workers, _ in topologies:  # ordinary epochs need every share non-empty
@@ -316,11 +318,13 @@ def expected_rng(inp: dict) -> dict:
     seed = 42 if inp["seed"] is None else exact_integer(inp["seed"])
     labels = [rng_label(label) for label in inp["labels"]]
     below_n = exact_integer(inp["below_n"])
+    indices = [exact_integer(i) for i in inp["indices"]]
+    ids = inp["permute"]
     if (seed is None or not 0 <= seed < M64 or None in labels or below_n is None
-            or not 1 <= below_n <= M64 or any(i < 0 for i in inp["permute"])):
+            or not 1 <= below_n <= M64 or any(i is None or not 0 <= i < M64 for i in indices)
+            or not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids)):
         return {"error": "UsageError"}
     key = key_of(seed, *labels)
-    indices = [exact_integer(i) for i in inp["indices"]]
     return {
         "key": "0x" + format(key, "016x"),
         "u64": ["0x" + format(word(key, i), "016x") for i in indices],

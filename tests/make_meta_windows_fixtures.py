@@ -490,8 +490,48 @@ def meta_cases() -> dict[str, tuple[str, dict, dict | None]]:
             ),
             None,
         ),
+        "malformed-info-nan-token": (
+            "info.json (given as text) holds NaN in a key nobody reads: NaN is not JSON (RFC "
+            "8259), so the file is not JSON: MalformedDataset",
+            info_text(base, '"total_tasks": 2', '"total_tasks": 2, "jitter_s": NaN'),
+            "MalformedDataset",
+        ),
+        "malformed-info-infinity-token": (
+            "info.json (given as text) holds -Infinity in a key nobody reads: not JSON: "
+            "MalformedDataset",
+            info_text(base, '"total_tasks": 2', '"total_tasks": 2, "jitter_s": -Infinity'),
+            "MalformedDataset",
+        ),
+        "malformed-info-byte-order-mark": (
+            "info.json (given as text) starts with U+FEFF, a UTF-8 byte-order mark: "
+            "MalformedDataset",
+            info_text(base, "{", "\ufeff{", first=True),
+            "MalformedDataset",
+        ),
+        "valid-no-cameras-video-path-absent": (
+            "No video features and no video_path key at all: absent is null",
+            without_info_key(base_dataset(cameras=()), "video_path"),
+            None,
+        ),
+        "malformed-float-task-index": (
+            "task_index stored as float64 (1.0, 0.0): not an integer column: MalformedDataset",
+            with_type(base, "meta/tasks.parquet", "task_index", "float64"),
+            "MalformedDataset",
+        ),
+        "malformed-total-tasks-written-as-float": (
+            "info.json (given as text) writes total_tasks as 2.0, not an integer as written, "
+            "though there are 2 tasks: MalformedDataset",
+            info_text(base, '"total_tasks": 2', '"total_tasks": 2.0'),
+            "MalformedDataset",
+        ),
     }
     return cases
+
+
+def without_info_key(case: dict, key: str) -> dict:
+    case = copy.deepcopy(case)
+    del case["files"]["meta/info.json"]["json"][key]
+    return case
 
 
 def with_type(case: dict, path: str, name: str, column_type: str, *more: str) -> dict:
@@ -502,12 +542,13 @@ def with_type(case: dict, path: str, name: str, column_type: str, *more: str) ->
     return case
 
 
-def info_text(case: dict, old: str, new: str) -> dict:
-    """The case with info.json given as text: its JSON with ``old`` replaced by ``new``."""
+def info_text(case: dict, old: str, new: str, first: bool = False) -> dict:
+    """The case with info.json given as text: its JSON with ``old`` (once, or its ``first``
+    occurrence) replaced by ``new``."""
     case = copy.deepcopy(case)
     text = json.dumps(case["files"]["meta/info.json"]["json"])
-    assert text.count(old) == 1
-    case["files"]["meta/info.json"] = {"text": text.replace(old, new)}
+    assert first or text.count(old) == 1
+    case["files"]["meta/info.json"] = {"text": text.replace(old, new, 1)}
     return case
 
 

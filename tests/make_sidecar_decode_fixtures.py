@@ -75,6 +75,7 @@ def oracle_sidecar_record(case: dict) -> dict:
             **{name: index[name] for name in ("ftyp", "stsd", "codec", "width", "height",
                                               "track_id", "timescale", "movie_timescale")}}
     text = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    assert identity != ESCAPED_IDENTITY or ESCAPED_IDENTITY_JSON.encode() in text
     name = hashlib.sha256(f"{index['file_size']} {identity}".encode()).hexdigest() + ".npy"
     head = [["sha256", "|u1", [32]], ["meta", "|u1", [len(text)]]]
     return {"identity": identity, "name": name, "fields": [*head, *fields], "meta": meta,
@@ -149,6 +150,10 @@ def record_input(count: int, **arrays) -> dict:
 
 
 SHA = "sha256:" + "7c" * 32
+# An identity whose characters each take another escape in the meta (SPEC §10.2), and the
+# meta's text of it written out by hand: the oracle's serialiser must agree.
+ESCAPED_IDENTITY = 'etag:"\x01\t\x7f\u00e9\U0001F600"'
+ESCAPED_IDENTITY_JSON = '"etag:\\"\\u0001\\t\\u007f\\u00e9\\ud83d\\ude00\\""'
 
 
 def sidecar_record_cases() -> dict[str, tuple[str, dict]]:
@@ -195,6 +200,10 @@ def sidecar_record_cases() -> dict[str, tuple[str, dict]]:
             "identity": SHA, "index": record_input(3, keyframe=[True] * 3)}),
         "mixed-keyframes": ("mixed keyframe flags are stored as bytes", {
             "identity": SHA, "index": record_input(3, keyframe=[True, False, False])}),
+        "identity-escapes": ("an identity with a control character, a tab, DEL, a non-ASCII and "
+                             "an astral character: the meta escapes each (\\u0001 \\t \\u007f "
+                             "\\u00e9 \\ud83d\\ude00), which sets its length", {
+            "identity": ESCAPED_IDENTITY, "index": record_input(4)}),
     }
 
 

@@ -1,9 +1,11 @@
 """The conformance runner and the suite itself: every golden fixture passes through refstream's
-own adapter (in process and through the stdin/stdout protocol); a deliberately broken
-implementation fails every case; every case survives a JavaScript-style JSON parser (the
-encoding of spec/README.md); every reference video has its expected table; the runner says
-clearly where the fixtures are when they are missing."""
+own adapter (in process and through the stdin/stdout protocol); spec/run.py runs in a virtual
+environment with nothing installed; a deliberately broken implementation fails every case; every
+case survives a JavaScript-style JSON parser (the encoding of spec/README.md); every reference
+video has its expected table; the runner says clearly where the fixtures are when they are
+missing."""
 
+import dataclasses
 import inspect
 import json
 import re
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import wrong_adapter
 from broken_adapter import corrupt
 
 from refstream import errors
@@ -22,6 +25,8 @@ from refstream.tools import conformance
 CASES = conformance.load_cases()
 TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = conformance.FIXTURES_DIR
+RUN_PY = FIXTURES.parent / "run.py"
+ADAPTER = f"{sys.executable} -m refstream.tools.conformance"
 EXACT_JSON_INTEGERS = 2**53  # a binary64 holds every integer of smaller magnitude exactly
 
 
@@ -55,7 +60,7 @@ def broken_answer(case):
 def test_the_protocol_command_gives_the_same_answers():
     # One case per kind through a real subprocess: proves the stdin/stdout protocol end to end.
     one_per_kind = {case.kind: case for case in CASES}.values()
-    command = conformance.via_command(f"{sys.executable} -m refstream.tools.conformance")
+    command = conformance.via_command(ADAPTER)
     replies = {}
 
     def ask(case):
@@ -91,6 +96,67 @@ def test_the_cli_prints_failures_and_the_summary_line():
     assert done.stdout.strip().endswith(f"0 passed, {n} failed")
 
 
+def test_the_runner_runs_with_nothing_but_python(tmp_path):
+    # spec/run.py, copied alone with the fixtures, run by a virtual environment's python with
+    # nothing installed (-I: not even PYTHONPATH), asks refstream's adapter one case per kind.
+    copy = tmp_path / "spec"
+    shutil.copytree(FIXTURES, copy / "fixtures")
+    shutil.copy(RUN_PY, copy / "run.py")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "venv"], check=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    assert subprocess.run([python, "-I", "-c", "import numpy"], capture_output=True).returncode
+    one_per_kind = {case.kind: case_id(case) for case in CASES}
+    selection = [f"--case={name}" for name in one_per_kind.values()]
+
+    def runner(impl: str) -> subprocess.CompletedProcess:
+        return subprocess.run([python, "-I", copy / "run.py", "--impl", impl, "--jobs", "2",
+                               *selection], capture_output=True, text=True, timeout=600)
+
+    done = runner(ADAPTER)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{len(one_per_kind)} passed, 0 "
+                                                                 "failed\n", "")
+    done = runner(f"{sys.executable} {TESTS_DIR / 'broken_adapter.py'}")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1
+    assert lines[-1] == f"0 passed, {len(one_per_kind)} failed"
+    assert sorted(line.split()[1] for line in lines[:-1]) == sorted(one_per_kind.values())
+
+
+def test_the_runner_selects_cases_by_kind_and_name():
+    runner = conformance.load_runner()
+    assert {c.kind for c in runner.load_cases(FIXTURES, ["rng", "plan"])} == {"rng", "plan"}
+    named = runner.load_cases(FIXTURES, [], ["rng/null-seed-is-42", "meta/valid-*.json"])
+    assert [c.name for c in named][-1] == "rng/null-seed-is-42"
+    assert {c.name.split("/")[0] for c in named} == {"meta", "rng"}
+    assert len(named) == 1 + sum(c.name.startswith("meta/valid-") for c in CASES)
+    assert runner.main(["--impl", "true", "--kind", "no-such-kind"]) == 2  # selects no case
+
+
+def test_the_runner_reports_a_command_that_gives_no_answer(tmp_path):
+    runner = conformance.load_runner()
+    case = CASES[0]
+    script = tmp_path / "impl.py"
+    for body, said in [("import sys; sys.exit(3)", "no answer: exit status 3"),
+                       ("print('[1, 2]')", "no answer: not a JSON object"),
+                       ("print('{\"a\": NaN}')", "no answer: not one JSON object")]:
+        script.write_text(body)
+        outcome = runner.judge(case, runner.via_command(f"{sys.executable} {script}", FIXTURES))
+        assert outcome.difference.startswith(said)
+
+
+@pytest.mark.parametrize("point", sorted(wrong_adapter.WRONG))
+def test_each_settled_point_fails_under_a_wrong_choice(point, monkeypatch):
+    # The cases that pin a point pass with refstream's adapter and fail, every one, with the
+    # adapter that answers that one point another way.
+    names, patch = wrong_adapter.WRONG[point]
+    runner = conformance.load_runner()
+    cases = runner.load_cases(FIXTURES, [], names)
+    assert len(cases) == len(names)
+    assert [o.difference for o in runner.run(cases, conformance.in_process)] == [None] * len(names)
+    patch(monkeypatch)
+    assert all(o.difference for o in runner.run(cases, conformance.in_process))
+
+
 def test_first_difference_names_the_path():
     expected = {"anchors": [[0, 1], [2, 3]], "n": 2}
     assert conformance.first_difference(expected, expected) is None
@@ -118,7 +184,7 @@ def javascript_number(text: str):
 def test_every_case_survives_a_javascript_json_parser(case):
     text = json.dumps({"input": case.input, "expected": case.expected})
     seen = json.loads(text, parse_int=javascript_number, parse_float=javascript_number)
-    ask = conformance.Case(case.path, case.kind, seen["input"], seen["expected"], case.root)
+    ask = dataclasses.replace(case, input=seen["input"], expected=seen["expected"])
     assert conformance.first_difference(case.expected, conformance.in_process(ask)) is None
 
 
@@ -193,10 +259,13 @@ def test_the_runner_says_where_the_fixtures_are_when_they_are_missing(tmp_path):
 
 
 def test_a_copied_fixtures_folder_runs_from_anywhere(tmp_path):
-    # An installed refstream runs a fixtures folder wherever it lies, media included.
-    copy = tmp_path / "fixtures"
+    # An installed refstream runs a copy of spec/ wherever it lies, media included.
+    copy = tmp_path / "spec" / "fixtures"
     shutil.copytree(FIXTURES / "mp4", copy / "mp4")
     shutil.copytree(FIXTURES / "synth", copy / "synth")
+    with pytest.raises(UsageError, match="spec/run.py"):
+        conformance.load_runner(copy)  # a fixtures folder without its runner
+    shutil.copy(RUN_PY, copy.parent / "run.py")
     cases = conformance.load_cases(conformance.fixtures_folder(copy))
     assert cases and all(c.root == copy for c in cases)
     assert [o.difference for o in conformance.run(cases, conformance.in_process)] == [None] * len(

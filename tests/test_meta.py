@@ -257,6 +257,16 @@ def test_a_json_file_that_is_not_json_is_named(tmp_path, relpath):
         load_meta(LocalSource(tmp_path))
 
 
+def test_stats_json_may_hold_nan_as_lerobot_writes_it_and_info_json_may_not(tmp_path):
+    write_layout(tmp_path, [4])
+    (tmp_path / "meta/stats.json").write_bytes(b'{"action": {"mean": [NaN, 1.5]}}')
+    assert np.isnan(load_meta(LocalSource(tmp_path)).stats["action"]["mean"][0])
+    info = tmp_path / "meta/info.json"
+    info.write_bytes(info.read_bytes().replace(b"{", b'{"x": NaN, ', 1))
+    with pytest.raises(MalformedDataset, match="^meta/info.json: not valid JSON"):
+        load_meta(LocalSource(tmp_path))
+
+
 @pytest.mark.parametrize(
     "overrides, error, pattern",
     [
@@ -426,6 +436,11 @@ ERROR_REASONS = {
     "selection-boolean": "must be integers, got [True]",
     "selection-not-an-integer": "must be integers, got [1.5]",
     "unsupported-storage-format-null": "unknown storage_format None",
+    "malformed-info-nan-token": "NaN is not a JSON value",
+    "malformed-info-infinity-token": "-Infinity is not a JSON value",
+    "malformed-info-byte-order-mark": "BOM",
+    "malformed-float-task-index": "column 'task_index' has type double",
+    "malformed-total-tasks-written-as-float": "total_tasks is 2.0",
 }
 
 

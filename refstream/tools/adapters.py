@@ -180,13 +180,13 @@ def kind_elastic_resume(case: dict) -> dict:
     state = resume.ResumeState(case["epoch"], 0, setup, history)
     delivered = resume.delivered_by(state, episodes, frames, by_episode)
     course = resume.Course(setup, episodes, frames, delivered)
-    last = delivered.first + len(delivered.counts) - 1 if case["repeat"] else delivered.first
+    listed = elastic_epochs(delivered, case["repeat"])
     workers = []
     for rank in range(case["world_size"]):
         start, row = course.positions(rank, 0), []
         for worker in range(case["num_workers"]):
             epoch, anchors = start.epochs[worker], []
-            for at in range(epoch, last + 1):
+            for at in range(epoch, listed.stop):
                 planner = course.planner(rank, worker, at, by_episode)
                 planner.skip(start.offsets[worker] if at == epoch else 0)
                 stop = start.stops[worker]
@@ -195,6 +195,13 @@ def kind_elastic_resume(case: dict) -> dict:
             row.append(anchors)
         workers.append(row)
     return {"first": delivered.first, "workers": workers}
+
+
+def elastic_epochs(delivered: resume.Delivered, repeat: bool) -> range:
+    """The epochs an ``elastic_resume`` answer lists (SPEC §3.9, Conformance): from the first in
+    progress to the last with a frame delivered (none when nothing was) with ``repeat``, else
+    the first alone."""
+    return range(delivered.first, delivered.first + (len(delivered.counts) if repeat else 1))
 
 
 # Arrow types a conformance case may give a Parquet column.

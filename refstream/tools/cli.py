@@ -132,32 +132,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_conformance(subparsers) -> None:
-    p = _command(subparsers, "conformance", "run the spec fixtures against an implementation",
-                 run_conformance)
+    p = _command(subparsers, "conformance", "run the spec fixtures against an implementation "
+                 "(spec/run.py, the same runner)", run_conformance)
     p.add_argument("--impl", help="implementation command, run once per case inside the fixtures "
                    "folder (default: refstream itself, in-process)")
-    p.add_argument("--kind", help="only cases of this kind")
-    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source (needed "
-                   "when refstream is installed: the fixtures are not part of the package)")
+    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source, with "
+                   "spec/run.py beside it (needed when refstream is installed: the fixtures are "
+                   "not part of the package)")
+    p.add_argument("--kind", action="append", default=[], help="only cases of this kind "
+                   "(repeatable)")
+    p.add_argument("--case", action="append", default=[], metavar="PATTERN",
+                   help="only this case: its path under the fixtures folder, with or without "
+                   ".json, or a pattern such as 'meta/valid-*' (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="cases run at once")
 
 
 def run_conformance(args) -> int:
     from refstream.tools import conformance
 
     root = conformance.fixtures_folder(args.fixtures)
-    cases = conformance.load_cases(root, args.kind)
+    runner = conformance.load_runner(root)
+    cases = runner.load_cases(root, args.kind, args.case)
     if not cases:
-        raise UsageError(f"no case of kind {args.kind!r} in {root}")
-    ask = conformance.via_command(args.impl, root) if args.impl else conformance.in_process
-    failed = 0
-    for outcome in conformance.run(cases, ask):
-        if outcome.difference is not None:
-            failed += 1
-            name = outcome.case.path.relative_to(root)
-            print(f"FAIL {name} [{outcome.case.kind}] {outcome.difference}")
-    print(f"{len(cases) - failed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
-
+        wanted = [*(f"of kind {k!r}" for k in args.kind), *(f"named {c!r}" for c in args.case)]
+        raise UsageError(f"no case {' or '.join(wanted)} in {root}")
+    ask = runner.via_command(args.impl, root) if args.impl else conformance.in_process
+    return runner.report(cases, ask, args.jobs)
 
 
 def add_demo(subparsers) -> None:

@@ -1,48 +1,32 @@
-"""Run the golden fixtures in ``spec/fixtures`` against an implementation.
+"""Run the golden fixtures in ``spec/fixtures`` against an implementation, with spec's runner.
 
-The protocol (an implementation is a command run once per case), the encoding and the case
-format are in ``spec/README.md``, the kinds in ``spec/SPEC.md``; an answer passes when it equals
-the case's ``expected`` (:func:`first_difference`).
+The runner and the comparison rule are ``spec/run.py`` (standard library only, beside the
+fixtures: :func:`load_runner` loads it from there), so ``refstream conformance`` and
+``python3 spec/run.py`` are one runner. The protocol (an implementation is a command run once
+per case), the encoding and the case format are in ``spec/README.md``, the kinds in
+``spec/SPEC.md``.
 
-refstream's own adapter (``python -m refstream.tools.conformance``) is the default; with no
-``--impl`` the runner calls the same adapters in-process (:func:`in_process`), through the same
-JSON round trip. The fixtures are not part of the installed package: an installed refstream
-needs ``--fixtures`` (:func:`fixtures_folder` says so).
+refstream's own adapter (``python -m refstream.tools.conformance``, :func:`main_adapter`) answers
+one case through the protocol; with no ``--impl`` the command calls the same adapters in-process
+(:func:`in_process`), through the same JSON round trip. The fixtures are not part of the
+installed package: an installed refstream needs ``--fixtures`` (:func:`fixtures_folder` says so).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import shlex
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 from refstream.errors import UsageError
 from refstream.tools.adapters import ADAPTERS, FIXTURES_DIR, answer
 
-__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_cases", "run",
-           "via_command", "in_process"]
-
-# A case that makes an implementation run longer than this fails instead of hanging the runner.
-CASE_TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class Case:
-    path: Path
-    kind: str
-    input: dict
-    expected: dict
-    root: Path  # the fixtures folder: media paths in ``input`` are relative to it
-
-
-@dataclass(frozen=True)
-class Outcome:
-    case: Case
-    difference: str | None  # None when the answer equals the expectation
+__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_runner", "load_cases",
+           "first_difference", "run", "via_command", "in_process"]
 
 
 def fixtures_folder(path: str | Path | None = None) -> Path:
@@ -57,80 +41,45 @@ def fixtures_folder(path: str | Path | None = None) -> Path:
     return root
 
 
-def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list[Case]:
-    """Every case under ``root`` (sorted by path), optionally only those of one kind."""
-    cases = []
-    for path in sorted(root.rglob("*.json")):
-        document = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(document, dict) or "kind" not in document:
-            continue  # descriptions of media files and other JSON live beside the cases
-        if kind is None or document["kind"] == kind:
-            cases.append(Case(path, document["kind"], document["input"], document["expected"],
-                              root))
-    return cases
+@cache
+def load_runner(fixtures: Path = FIXTURES_DIR) -> ModuleType:
+    """``run.py`` of the ``spec/`` folder that holds ``fixtures``; UsageError when it is not
+    there (a fixtures folder copied without its ``spec/``)."""
+    path = Path(fixtures).resolve().parent / "run.py"
+    if not path.is_file():
+        raise UsageError(f"no runner {path} beside the fixtures {fixtures}: pass the fixtures "
+                         "folder of a whole spec/ folder (spec/run.py and spec/fixtures)")
+    spec = importlib.util.spec_from_file_location(f"spec_run_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being made
+    spec.loader.exec_module(module)
+    return module
 
 
-def first_difference(expected, actual, where: str = "") -> str | None:
-    """A description of the first place where two JSON values differ, or None if equal."""
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        for key in sorted(set(expected) | set(actual)):
-            if key not in actual:
-                return f"{where}.{key}: missing"
-            if key not in expected:
-                return f"{where}.{key}: unexpected key"
-            found = first_difference(expected[key], actual[key], f"{where}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(expected, list) and isinstance(actual, list):
-        for i, (e, a) in enumerate(zip(expected, actual, strict=False)):
-            found = first_difference(e, a, f"{where}[{i}]")
-            if found:
-                return found
-        if len(expected) != len(actual):
-            return f"{where}: expected {len(expected)} items, got {len(actual)}"
-        return None
-    same_type = isinstance(expected, bool) == isinstance(actual, bool)
-    if same_type and expected == actual:
-        return None
-    return f"{where or '.'}: expected {_short(expected)}, got {_short(actual)}"
+def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list:
+    """Every case under ``root`` (the runner's ``Case``), optionally only those of one kind."""
+    return load_runner(root).load_cases(root, [kind] if kind else [])
 
 
-def _short(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def first_difference(expected, actual) -> str | None:
+    """The runner's comparison rule (``spec/README.md``, "Comparing answers")."""
+    return load_runner().first_difference(expected, actual)
 
 
-def in_process(case: Case) -> dict:
+def run(cases: list, ask: Callable) -> list:
+    """Every case's outcome (``.case``, ``.difference``) through ``ask``."""
+    return list(load_runner(cases[0].root).run(cases, ask)) if cases else []
+
+
+def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable:
+    """Ask an implementation command, one process per case, run inside ``fixtures``."""
+    return load_runner(fixtures).via_command(command, fixtures)
+
+
+def in_process(case) -> dict:
     """Ask refstream's own adapter, through the same JSON round trip as the protocol."""
     reply = answer(case.kind, json.loads(json.dumps(case.input)), case.root)
     return json.loads(json.dumps(reply))
-
-
-def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable[[Case], dict]:
-    """Ask an implementation command, one process per case, run inside ``fixtures``."""
-    argv = shlex.split(command)
-
-    def ask(case: Case) -> dict:
-        request = json.dumps({"kind": case.kind, "input": case.input}, ensure_ascii=False)
-        try:
-            done = subprocess.run(argv, input=request, capture_output=True, encoding="utf-8",
-                                  timeout=CASE_TIMEOUT_S, cwd=fixtures)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {CASE_TIMEOUT_S} s"}
-        if done.returncode != 0:
-            return {"error": f"exit status {done.returncode}: {done.stderr.strip()[-200:]}"}
-        try:
-            return json.loads(done.stdout)
-        except json.JSONDecodeError:
-            return {"error": f"not JSON: {_short(done.stdout)}"}
-
-    return ask
-
-
-def run(cases: list[Case], ask: Callable[[Case], dict]) -> Iterator[Outcome]:
-    for case in cases:
-        yield Outcome(case, first_difference(case.expected, ask(case)))
 
 
 def main_adapter() -> int:

@@ -1,6 +1,6 @@
 // A conformance implementation of the rng kind (SPEC §1), written from spec/ alone: Node.js,
 // standard library only. Run inside fixtures/ by the runner, one process per case:
-//     refstream conformance --fixtures spec/fixtures --impl "node ../example/rng.mjs" --kind rng
+//     python3 spec/run.py --impl "node ../example/rng.mjs" --kind rng
 // Any other kind is answered with a name no case expects, so its cases fail.
 import { readFileSync } from "node:fs";
 
@@ -52,8 +52,12 @@ function rng(input) {
   }
   const n = decimal(input.below_n);
   if (n < 1n || n > MASK + 1n) throw new UsageError();
-  if (input.permute.some((id) => id < 0)) throw new UsageError();
+  const ids = input.permute;
+  if (!ids.every((id) => Number.isInteger(id) && id >= 0) || new Set(ids).size !== ids.length) {
+    throw new UsageError();
+  }
   const indices = input.indices.map(decimal);
+  if (indices.some((i) => i < 0n || i > MASK)) throw new UsageError();
   const byWord = (a, b) => {
     const x = u64(key, BigInt(a));
     const y = u64(key, BigInt(b));
@@ -63,7 +67,7 @@ function rng(input) {
     key: hex(key),
     u64: indices.map((i) => hex(u64(key, i))),
     below: indices.map((i) => ((u64(key, i) * n) >> 64n).toString()),
-    permutation: [...input.permute].sort(byWord),
+    permutation: [...ids].sort(byWord),
   };
 }
 
