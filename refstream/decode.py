@@ -7,19 +7,26 @@ Use::
     with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
         frames = decoder.frames(pts_ticks[chosen], np.float32)            # (T, 3, H, W)
         decoder.frames(pts_ticks[chosen], out=batch[i])                   # or into given memory
-    cache = DecoderCache(capacity)     # LRU keyed (episode, camera), for one thread at a time
-    cache.decoder((3, "top"), mp4_bytes, span.start_pts).frames(pts_ticks[chosen])
+    cache = DecoderCache(capacity, keep_bytes)   # LRU keyed (episode, camera), one thread's
+    decoder = cache.decoder((3, "top"), mp4_bytes, span.start_pts, keyframes=k, demand=counts)
+    decoder.frames(pts_ticks[chosen], room=cache.room())
 
 Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
 video's local time 0. A decoder converts exactly the frames asked into their places, as
 ``uint8`` or ``float32`` RGB (SPEC §10.8). The only module that imports PyAV: its errors become
 :class:`DecodeError`, cause chained; an unserved time is :class:`FrameNotFound` (SPEC §10.8).
+
+Given ``demand`` (source pts -> requests to come, counted down as served) and the ``keyframes``'
+source pts, a decoder keeps the frames it decoded that later requests want, in ``room`` bytes, up
+to the last such frame of the GOP it stops in: each GOP is decoded once while wanted (SPEC §9.3).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -43,8 +50,14 @@ class EpisodeDecoder:
     """A PyAV decoder over one MP4 held in memory; frames by presentation time (see module doc)."""
 
     def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0,
-                 stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = ()) -> None:
+                 stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = (),
+                 keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
+        self.demand = demand  # source pts -> requests still to come (None: keep nothing)
+        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local
+        self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
+        self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
+        self.kept_bytes = 0
         self._container = self._open()
         self._scaler = VideoReformatter()
         self.decoded_frames = 0
@@ -57,6 +70,7 @@ class EpisodeDecoder:
         peer = next((p for p in peers if self.setup and p.setup == self.setup), None)
         self.codec = stream.codec_context if peer is None else peer.codec
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
+        self._frame_bytes = 3 * self.width * self.height  # until a frame says (8-bit 4:4:4 at most)
         rate = stream.average_rate  # frames per second, None if unknown; ticks: the time base
         self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
 
@@ -76,6 +90,7 @@ class EpisodeDecoder:
         return container
 
     def close(self) -> None:
+        self.let_go()
         self._container.close()
 
     def __enter__(self) -> EpisodeDecoder:
@@ -85,9 +100,9 @@ class EpisodeDecoder:
         self.close()
 
     def frames(self, pts_ticks: Sequence[int] | np.ndarray, dtype: np.dtype | type = np.uint8,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, room: int = 0) -> np.ndarray:
         """``(T, 3, H, W)`` frames presented at source ``pts_ticks`` (request order), written
-        into ``out`` when given (whose dtype then rules)."""
+        into ``out`` when given (whose dtype then rules); kept frames grow by ``room`` at most."""
         wanted = [int(p) - self.start_pts for p in pts_ticks]  # local ticks
         shape = (len(wanted), 3, self.height, self.width)
         if out is None and np.dtype(dtype) not in PIXEL_DTYPES:
@@ -96,23 +111,60 @@ class EpisodeDecoder:
         if out.shape != shape or out.dtype not in PIXEL_DTYPES:
             raise DecodeError(f"{self.label}: frames are {shape} but the output is {out.dtype} "
                               f"{out.shape}: every video of a camera needs one size")
+        for local in wanted if self.demand is not None else ():
+            source = local + self.start_pts
+            self.demand[source] = self.demand.get(source, 1) - 1
         try:
-            decoded = self._decode(min(wanted), max(wanted), set(wanted)) if wanted else {}
+            missing = set(wanted).difference(self.kept)
+            decoded = (self._decode(min(missing), self._reach(missing, room), missing)
+                       if missing else {})
             for i, local in enumerate(wanted):
-                if local not in decoded:
+                frame = decoded.get(local, self.kept.get(local))
+                if frame is None:
                     raise DecodeError(f"{self.label}: the decoder presents no frame at source "
                                       f"pts {local + self.start_pts}")
-                for plane, channel in zip(_rgb(self._scaler, decoded[local]), out[i], strict=True):
+                for plane, channel in zip(_rgb(self._scaler, frame), out[i], strict=True):
                     if out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded
                         np.divide(plane, np.float32(255), out=channel)
                     else:
                         channel[...] = plane
         except av.FFmpegError as exc:
             raise DecodeError(f"{self.label}: PyAV failed to decode: {exc}") from exc
+        self._keep(decoded, wanted, room)
         return out
 
+    def _wanted_later(self, local: int) -> bool:
+        return self.demand is not None and self.demand.get(local + self.start_pts, 0) > 0
+
+    def _reach(self, missing: set[int], room: int) -> int:
+        """The last frame to decode: the last ``missing`` one, or past it the last frame of its
+        GOP a later request wants, as far as ``room`` keeps them."""
+        last = max(missing)
+        end = self._keyframes[bisect_right(self._keyframes, last)]  # the next GOP's start
+        ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
+                                           bisect_left(self._demanded, end)]
+                 if p not in self.kept and self._wanted_later(p)]
+        return max([last, *ahead[:room // self._frame_bytes]])
+
+    def _keep(self, decoded: dict[int, av.VideoFrame], served: list[int], room: int) -> None:
+        """Keep decoded frames later requests want, in ``room`` bytes; drop those served last."""
+        for local in served:
+            if local in self.kept and not self._wanted_later(local):
+                self.kept_bytes -= _frame_bytes(self.kept.pop(local))
+        for local, frame in sorted(decoded.items()):
+            size = self._frame_bytes = _frame_bytes(frame)
+            if local not in self.kept and self._wanted_later(local) and size <= room:
+                self.kept[local] = frame
+                self.kept_bytes += size
+                room -= size
+
+    def let_go(self) -> None:
+        self.kept.clear()
+        self.kept_bytes = 0
+
     def _decode(self, first: int, last: int, wanted: set[int]) -> dict[int, av.VideoFrame]:
-        """The decoded frames of ``wanted`` (local ticks, ``first`` to ``last``), keyed by pts."""
+        """The decoded frames of ``wanted`` (local ticks, ``first`` to ``last``) and those a later
+        request wants, keyed by pts."""
         stream = self._container.streams.video[0]
         start = stream.start_time  # the earliest presentation time, None if unknown
         # The first step back is one frame: seeks go by decode time, which trails presentation
@@ -146,11 +198,15 @@ class EpisodeDecoder:
                 first_pts = frame.pts
                 if first_pts > first:
                     break  # the caller seeks further back (after a reopen, nothing serves first)
-            if frame.pts in wanted:
+            if frame.pts in wanted or self._wanted_later(frame.pts):
                 frames[frame.pts] = frame
             if frame.pts >= last:
                 break  # frames leave the decoder in presentation order
         return frames, first_pts
+
+
+def _frame_bytes(frame: av.VideoFrame) -> int:
+    return sum(plane.buffer_size for plane in frame.planes)
 
 
 # swscale converts to packed rgb24 and to planar gbrp (no interleaving to undo) with one kernel
@@ -222,25 +278,39 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 class DecoderCache:
     """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least recently
-    used closed first; for one thread at a time (a worker gives each decode thread its own)."""
+    used closed first, keeping at most ``keep_bytes`` of frames together; for one thread at a
+    time (a worker gives each decode thread its own)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, keep_bytes: int = 0) -> None:
         check_at_least(1, capacity=capacity)
-        self.capacity = capacity
+        self.capacity, self.keep_bytes = capacity, keep_bytes
         self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
 
     def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
-                stsd: bytes = b"") -> EpisodeDecoder:
+                stsd: bytes = b"", keyframes: Iterable[int] = (),
+                demand: dict[int, int] | None = None) -> EpisodeDecoder:
         """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos whose
         sample descriptions ``stsd`` set a decoder up alike share a codec context."""
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts,
-                                     stsd, self._decoders.values())
+                                     stsd, self._decoders.values(), keyframes, demand)
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()
         return decoder
+
+    def room(self) -> int:
+        """Bytes of frames its decoders may keep beyond what they keep."""
+        return self.keep_bytes - sum(d.kept_bytes for d in self._decoders.values())
+
+    def fit(self, keep_bytes: int) -> None:
+        """Bound the frames kept to ``keep_bytes``: the least recently used decoders' go first."""
+        self.keep_bytes = keep_bytes
+        for decoder in self._decoders.values():
+            if self.room() >= 0:
+                break
+            decoder.let_go()
 
     def discard(self, key: tuple[int, str]) -> None:
         """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""

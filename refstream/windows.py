@@ -49,11 +49,14 @@ def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: in
     return offsets
 
 
-def window_rows(offsets: np.ndarray, frame: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Episode-local rows (int64) and pad mask (bool) of one anchor ``frame`` (SPEC §5.2)."""
-    if not 0 <= frame < length:
+def window_rows(offsets: np.ndarray, frame: int | np.ndarray,
+                length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Episode-local rows (int64) and pad mask (bool) of one anchor ``frame`` (SPEC §5.2), or
+    of each of an array of anchors (a row of each per anchor)."""
+    anchors = np.asarray(frame, dtype=np.int64)
+    if np.any((anchors < 0) | (anchors >= length)):
         raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
-    target = frame + np.asarray(offsets, dtype=np.int64)
+    target = anchors[..., None] + np.asarray(offsets, dtype=np.int64)
     return np.clip(target, 0, length - 1), (target < 0) | (target >= length)
 
 

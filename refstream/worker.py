@@ -57,6 +57,8 @@ class _Video:
     start_pts: int  # source ticks of the mini-MP4's local time 0 (the span's start_pts)
     serving_pts: np.ndarray  # int64 source ticks of the frame serving each row's time
     stsd: bytes  # the source's sample description: videos with the same one share a decoder
+    keyframes: np.ndarray  # source ticks of the span's keyframes
+    demand: dict[int, int]  # source ticks -> requests of the episode's anchors not yet decoded
 
 
 @dataclass
@@ -213,7 +215,6 @@ class WorkerStream:
             self.planner.drain_events()
             anchors = self.planner.remaining if stop is None else max(0, stop - offset)
             to_admit = deque(self.planner.resident)
-            self._prefetch()
             for _ in range(anchors):
                 while to_admit:
                     while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
@@ -224,17 +225,19 @@ class WorkerStream:
                 to_admit.extend(admitted)
                 self.drained.update(evicted)
                 self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-                if admitted:
-                    self._prefetch()
                 yield episode, frame
             yield None
 
     def _decode(self, made: _Group) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
-        own decoders), then free the episodes they finish."""
+        own decoders), then free the episodes they finish. Decoded frames are kept for later
+        anchors in what the budget's reservations leave (SPEC §9.3)."""
         for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
             self._gather(made, slot)
             self.in_flight[episode] -= 1
+        room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
+        for decoders in self.decoders:
+            decoders.fit(room // len(self.decoders))
         futures = [self.decode_pool.submit(self._decode_part, made, thread)
                    for thread in range(1, len(self.decoders))]
         self._decode_part(made, 0)
@@ -248,8 +251,7 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
-        if finished:
-            self._prefetch()
+        self._prefetch()  # after the group: the first waits for no frontier episode
 
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
@@ -271,9 +273,10 @@ class WorkerStream:
         """Decode the group's requests that go to the decoders of ``thread``."""
         for slot, episode, camera, video, pts in made.requests:
             if (episode + self.cameras.index(camera)) % len(self.decoders) == thread:
-                decoder = self.decoders[thread].decoder((episode, camera), video.mp4,
-                                                        video.start_pts, video.stsd)
-                decoder.frames(pts, out=made.frames[camera][slot].numpy())
+                decoders = self.decoders[thread]
+                decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
+                                           video.stsd, video.keyframes, video.demand)
+                decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -368,11 +371,17 @@ class WorkerStream:
                                              span.byte_offset, span.byte_length)
             mp4 = synth.synthesize(sample_index, span, payload)
             self.budget.mark_resident(episode, len(mp4))
-            pts = sample_index.pts[span.sample_lo:span.sample_hi + 1].astype(np.int64)
+            samples = slice(span.sample_lo, span.sample_hi + 1)
+            pts = sample_index.pts[samples].astype(np.int64)
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.ds.tolerance_s, f"episode {episode} camera {camera}")
-            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd)
+            anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
+            requested = window_rows(self.offsets.get(camera, [0]), anchors, len(anchors))[0]
+            served, counts = np.unique(pts[chosen][requested], return_counts=True)
+            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
+                                    pts[sample_index.keyframe[samples]],
+                                    dict(zip(served.tolist(), counts.tolist(), strict=True)))
         return videos
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """refstream.decode against plain PyAV: every frame of small real files (H.264 with and without
 B-frames, open GOP, AV1), requested by presentation time from the bytes held in memory, equals the
 frame a full decode of the file yields at that pts; the frame serving a time is chosen within
-tolerance, never guessed past; the decoder LRU is bounded."""
+tolerance, never guessed past; the decoder LRU is bounded; a frame a later request wants is kept,
+within a bound in bytes, so each GOP is decoded once."""
 
 import io
 import json
@@ -215,6 +216,81 @@ def test_mini_mp4s_of_episode_spans_decode_to_the_source_frames(videos, name):
         with EpisodeDecoder(synthesize(index, span, payload), name, span.start_pts) as dec:
             frames = dec.frames(wanted)
             np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in wanted]))
+
+
+# --- frames kept for later requests --------------------------------------------------------
+
+def window_requests(oracle: dict, seed: int) -> list[list[int]]:
+    """Every frame as an anchor, in a shuffled order, asking for itself and the frame before
+    (the first frame twice, as a clamped window asks)."""
+    pts = sorted(oracle)
+    anchors = np.random.default_rng(seed).permutation(len(pts))
+    return [[pts[max(0, a - 1)], pts[a]] for a in anchors]
+
+
+def demand_of(requests: list[list[int]]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for pts in (p for request in requests for p in request):
+        counts[pts] = counts.get(pts, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("name", list(VIDEOS))
+def test_each_frame_is_decoded_once_while_later_requests_want_it(videos, name):
+    data, oracle = videos[name]
+    index = index_from_pyav(data, name)
+    requests = window_requests(oracle, seed=5)
+    demand = demand_of(requests)
+    with EpisodeDecoder(data, name, keyframes=index.pts[index.keyframe],
+                        demand=demand) as decoder:
+        for request in requests:
+            frames = decoder.frames(request, room=10**9)
+            np.testing.assert_array_equal(frames, np.stack([chw(oracle[p]) for p in request]))
+            assert all(demand[p] > 0 for p in decoder.kept)  # only what a later request wants
+        assert decoder.decoded_frames == FRAMES  # each GOP once, every frame of it wanted
+        assert decoder.kept == {} and decoder.kept_bytes == 0  # all served: nothing held
+    assert set(demand.values()) == {0}
+
+
+@pytest.mark.parametrize("name", ["h264-bframes", "av1"])
+def test_kept_frames_stay_within_the_room(videos, name):
+    data, oracle = videos[name]
+    index = index_from_pyav(data, name)
+    requests = window_requests(oracle, seed=6)
+    with av.open(io.BytesIO(data)) as container:  # a decoded frame's bytes, padding included
+        frame_bytes = sum(p.buffer_size for p in next(container.decode(video=0)).planes)
+    counts = []
+    for room in (0, 3 * frame_bytes):
+        with EpisodeDecoder(data, name, keyframes=index.pts[index.keyframe],
+                            demand=demand_of(requests)) as decoder:
+            for request in requests:
+                frames = decoder.frames(request, room=room - decoder.kept_bytes)
+                np.testing.assert_array_equal(frames,
+                                              np.stack([chw(oracle[p]) for p in request]))
+                assert decoder.kept_bytes <= room and len(decoder.kept) <= room // frame_bytes
+            counts.append(decoder.decoded_frames)
+    with EpisodeDecoder(data, name) as alone:  # no demand: nothing is kept
+        for request in requests:
+            alone.frames(request)
+    assert counts[0] == alone.decoded_frames > counts[1] > FRAMES
+
+
+def test_the_cache_bounds_kept_frames_letting_go_of_the_least_recent_first(videos):
+    data, oracle = videos["h264-bframes"]
+    index = index_from_pyav(data, "h264-bframes")
+    pts = sorted(oracle)
+    cache = DecoderCache(capacity=4, keep_bytes=10**9)
+    decoders = [cache.decoder((e, "a"), data, keyframes=index.pts[index.keyframe],
+                              demand=dict.fromkeys(pts, 2)) for e in (0, 1)]
+    for decoder in decoders:  # (0, "a") is the least recently used
+        cache.decoder((decoders.index(decoder), "a"), data).frames(pts[:2], room=cache.room())
+    held = [d.kept_bytes for d in decoders]
+    assert min(held) > 0 and cache.room() == 10**9 - sum(held)
+    cache.fit(held[1])
+    assert [d.kept_bytes for d in decoders] == [0, held[1]] and cache.room() == 0
+    assert cache.decoder((1, "a"), data).frames([pts[1]], room=cache.room()).shape[0] == 1
+    cache.close()
+    assert decoders[1].kept == {}
 
 
 # --- the decoder cache ---------------------------------------------------------------------

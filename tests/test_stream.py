@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+import refstream.decode
 import refstream.worker
 from refstream.budget import ByteBudget
 from refstream.errors import EpisodeTooLarge, IterableOnly, TableError, TopologyChanged, UsageError
@@ -249,6 +250,53 @@ def test_main_process_equals_one_worker_and_order_is_deterministic(dataset_root)
     in_process = order(0)
     assert in_process == order(1)
     assert in_process != sorted(in_process)  # shuffled
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_workers):
+    # Every frame is some anchor's (windows clamp at the edges), so keeping the frames later
+    # anchors want decodes each GOP once: as many frames as the cameras hold, long GOPs too.
+    decoded = multiprocessing.Value("q", 0)
+
+    class Counted(refstream.decode.EpisodeDecoder):
+        def close(self) -> None:
+            with decoded.get_lock():
+                decoded.value += self.decoded_frames
+            self.decoded_frames = 0
+            super().close()
+
+    monkeypatch.setattr(refstream.decode, "EpisodeDecoder", Counted)
+    dataset = StreamingDataset(dataset_root, delta_timestamps=WINDOWS, seed=4, batch_size=4,
+                               batched=True, num_workers=num_workers)
+    batches = _items(dataset, num_workers=num_workers)
+    assert sum(len(b["index"]) for b in batches) == sum(LENGTHS)
+    assert decoded.value == sum(LENGTHS) * len(SIZES)
+
+
+def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch):
+    # The pool's episodes are fetched first; the frontier is prefetched once a group is decoded.
+    events = []
+    stream = refstream.worker.WorkerStream
+    fetch, decode_part = stream._fetch, stream._decode_part
+
+    def fetched(self, episode):
+        events.append(episode)
+        return fetch(self, episode)
+
+    def decoded(self, made, thread):
+        events.append("decode")
+        decode_part(self, made, thread)
+
+    monkeypatch.setattr(stream, "_fetch", fetched)
+    monkeypatch.setattr(stream, "_decode_part", decoded)
+    dataset = StreamingDataset(dataset_root, seed=2, episode_pool_size=2, prefetch_episodes=3,
+                               batch_size=4, batched=True)
+    batches = iter(DataLoader(dataset, batch_size=None, num_workers=0))
+    first = next(batches)
+    assert set(events[:events.index("decode")]) == set(first["episode_index"].tolist())
+    assert len(set(first["episode_index"].tolist())) == 2  # the pool, no frontier episode
+    assert sum(len(b["index"]) for b in batches) + len(first["index"]) == sum(LENGTHS)
+    assert len([e for e in events if e != "decode"]) == len(LENGTHS)  # each fetched once
 
 
 def test_budget_is_respected_and_sampled(dataset_root, budgets):

@@ -17,14 +17,17 @@ a fraction of a second, so it is repeated until the repeats last ``ceiling_s`` (
 least ``repeats``) and each of its figures is the median over them. Figures, over the
 second half of each pass (steady state), medians over repeats: samples/s; CPU ms per sample of
 the consuming thread and the workers, split into ``decode+RGB`` (the ceiling's), ``loader`` (the
-rest) and ``collate`` (the DataLoader's collation, part of the loader's); time to the first
+rest) and ``collate`` (the DataLoader's collation, part of the loader's); decoding scales with
+the amplification, RGB conversion with the frames delivered; time to the first
 batch; peak RSS (sampled through the pass) and PSS (at its first batch and end) above the main
 process's; decode amplification (decoded ÷ delivered frames); the server's requests and bytes
-against the minimal spans. One epoch through the Hub that ``refstream.tools.scale`` emulates
-counts the ``/resolve/`` requests per file the main process and the workers made (each file's
-signed target shared for its lifetime). Then planner figures for a DROID-sized rank, the Hub
-resolves of a DROID-sized run (``droid.hub_resolves``), and the targets. The machine's other
-work shows in every figure.
+against the minimal spans. The memory table: for each worker count, byte budget and pool
+size of ``BenchConfig``, the peak total PSS of a new training process streaming one epoch and
+its workers. One epoch through the Hub that ``refstream.tools.scale`` emulates counts the
+``/resolve/`` requests per file the main process and the workers made (each file's signed
+target shared for its lifetime). Then planner figures for a DROID-sized rank, the Hub resolves
+of a DROID-sized run (``droid.hub_resolves``), and the targets (n/a where made for another
+run). The machine's other work shows in every figure.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -78,30 +83,39 @@ CODECS = {"av1": "libsvtav1", "h264": "libx264"}
 # and at the end of a pass only.
 MEMORY_INTERVAL_S = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # units of /proc/<pid>/stat times
+MB = 1_000_000
+LONG_GOP = "h264-g30"  # the long-GOP dataset's method names end so
+# The configuration the README names for a small machine, the memory table's last row: uint8
+# items (made float on the accelerator), as float32 ones take 4x the shared batch memory.
+MEMORY_WORKERS, MEMORY_BUDGET_GB, MEMORY_POOL = 2, 0.25, 8
+MEMORY_NAMED = (f"{MEMORY_WORKERS} workers, byte_budget_gb {MEMORY_BUDGET_GB}, "
+                f"episode_pool_size {MEMORY_POOL}, return_uint8")
 # Targets: the text shown with each check.
 TARGET_TEXT = {
     "loader_cpu": "refstream over HTTP (float32): CPU per sample minus the decode ceiling's "
                   "<= 3 ms (steady state)",
     "http_vs_map": "refstream over HTTP >= 4x the map-style baseline's samples/s",
-    "vs_ceiling": "refstream over HTTP >= 0.6 x decode ceiling / its decode amplification",
+    "vs_ceiling": "refstream over HTTP >= 0.6 x its decode limit (the decode ceiling at its "
+                  "amplification)",
     "uint8": "uint8 items over HTTP at least as fast as float32 ones (ready batches)",
     "amplification": "decode amplification <= 1.6 (at g=2)",
     "span_bytes": "video bytes fetched <= 1.05 x minimal span bytes (HTTP, one epoch)",
     "requests": "HTTP requests streaming one epoch <= 1.1 x (episodes x cameras) + data "
                 "Parquet reads",
-    "memory": "peak RSS above baseline <= byte budget + 300 MB per worker (HTTP)",
+    "memory": "peak PSS above baseline <= byte budget + 300 MB per worker (HTTP)",
     "ttfs": "time to first sample over HTTP <= 3 s (sidecar built), at x1 and xN episodes",
-    "ttfs_flat": "time to first sample flat in dataset size: xN <= 1.5 x the x1 time",
+    "ttfs_flat": "time to first sample flat in dataset size: xN <= 1.3 x the x1 time",
+    "long_gop_amplification": "decode amplification <= 1.5 at h264 g=30 with 2 B-frames "
+                              "(long-GOP row)",
+    "long_gop_speed": "long-GOP row's samples/s >= 0.6 x the g=2 row's (refstream over HTTP)",
+    "memory_table": f"total PSS of the training process and its workers <= 1 GiB at "
+                    f"{MEMORY_NAMED}",
     "elastic": "resuming a DROID-sized rank's checkpoint on 3/4 of the ranks <= 30 s per rank",
     "hub_resolves": "Hub epoch (emulated): resolves per file per process <= 1 (each target lives "
                     "an hour, shared by the main process and every worker)",
     "hub_droid": "Hub resolves per 5 minutes of a DROID-sized run (8 ranks x 4 workers, 500 "
                  "samples/s per rank), over a target's hour <= 1,500 (half the anonymous quota)",
 }
-MB = 1_000_000
-LONG_GOP = "h264-g30"  # the long-GOP dataset's method names end so
-
-
 # --- configuration ----------------------------------------------------------------------------
 
 
@@ -136,6 +150,12 @@ class BenchConfig:
     droid_ranks: int = 8
     seed: int = 0
     root: str | None = None  # measure this dataset folder instead of generating one
+    smoke: bool = False  # --quick: the targets made for the default shape do not apply
+    # The memory table: each worker count x byte budget (GiB per rank) x pool (None: default),
+    # float32 items, then the named configuration.
+    memory_workers: tuple[int, ...] = (1, 2, 4)
+    memory_budgets_gb: tuple[float, ...] = (0.25, 1.0)
+    memory_pools: tuple[int | None, ...] = (None, MEMORY_POOL)
 
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
@@ -143,7 +163,8 @@ class BenchConfig:
         tiny = dict(episodes=4, frames_per_episode=12, cameras=2, width=64, height=48,
                     episodes_per_file=2, num_workers=1, batch_size=4, repeats=1, ceiling_s=0,
                     action_window=4, baseline_batches=2,
-                    ttfs_scale=2, droid_episodes=2_000, droid_ranks=2)
+                    ttfs_scale=2, droid_episodes=2_000, droid_ranks=2, smoke=True,
+                    memory_workers=())
         return cls(**{**tiny, **overrides})
 
     def check(self) -> None:
@@ -432,8 +453,12 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
     mid = max(0, len(times) // 2 - 1)
     (from_s, from_samples), (last_s, last_samples) = times[mid], times[-1]
     steady = (last_samples - from_samples) / (last_s - from_s) if last_s > from_s else 0.0
-    per_sample = 1000 / max(1, last_samples - from_samples)
-    steady_cpu = tuple((b - a) * per_sample for a, b in zip(cpu[mid], cpu[-1], strict=True))
+    # CPU: up to the batch received when the workers made their last one; the batches the
+    # DataLoader fetched ahead arrive after that with no CPU spent on them.
+    ahead = getattr(loader, "num_workers", 0) * (getattr(loader, "prefetch_factor", 0) or 0)
+    end = min(len(times) - 1, max(mid + 1, len(times) - 1 - ahead))
+    per_sample = 1000 / max(1, times[end][1] - from_samples)
+    steady_cpu = tuple((b - a) * per_sample for a, b in zip(cpu[mid], cpu[end], strict=True))
     return Pass(samples, times[0][0], steady, steady_cpu, total_cpu, rss_above, pss_above,
                 decoded + DECODED.value, times, sampler.series)
 
@@ -533,11 +558,32 @@ class Method:
 
 
 @dataclass(frozen=True)
+class MemoryRow:
+    """One configuration of the memory table: the peak total PSS over one epoch (bytes) of a
+    new training process and its DataLoader workers."""
+
+    workers: int
+    budget_gb: float
+    pool: int | None  # None: the default pool (32 per rank, split)
+    uint8: bool
+    pss_bytes: int
+
+    @property
+    def named(self) -> bool:
+        return self.uint8 and (self.workers, self.budget_gb, self.pool) == (
+            MEMORY_WORKERS, MEMORY_BUDGET_GB, MEMORY_POOL)
+
+
+@dataclass(frozen=True)
 class Target:
     key: str
     text: str
     measured: str
-    passed: bool
+    passed: bool | None  # None: the target does not apply to this run (``measured`` says why)
+
+    @property
+    def verdict(self) -> str:
+        return {True: "pass", False: "MISS", None: "n/a"}[self.passed]
 
 
 @dataclass(frozen=True)
@@ -573,6 +619,8 @@ class BenchReport:
     ceiling_cpu_ms: float  # the ceiling's CPU per sample: decoding and RGB alone
     long_gop: tuple[Ceiling, float, float] | None  # that dataset's ceiling, samples/s, CPU ms
     ttfs_s: dict[str, float]  # "x1" / "xN" -> median seconds over HTTP
+    gop: int  # frames per keyframe of the dataset's videos (the mean, rounded)
+    memory_table: list[MemoryRow]
     planner: PlannerFigures
     droid_mixing: list[Mixing]
     hub_run: HubRun
@@ -583,14 +631,33 @@ class BenchReport:
     def method(self, name: str) -> Method:
         return next(m for m in self.methods if m.name == name)
 
+    def _decode_share(self, method: Method) -> tuple[float, float, float]:
+        """The ceiling of the method's dataset (samples/s, CPU ms per sample) and the share of
+        it the method needs: decoding scales with its amplification, the RGB conversion (of
+        each delivered frame) does not."""
+        if self.long_gop is not None and method.name.endswith(LONG_GOP):
+            ceiling, samples_per_s, cpu_ms = self.long_gop
+        else:
+            ceiling, samples_per_s, cpu_ms = self.ceiling, self.ceiling_samples_per_s, \
+                self.ceiling_cpu_ms
+        relative = (method.amplification or 1.0) * ceiling.episode_frames / ceiling.decoded_frames
+        share = (ceiling.decode_s * relative + ceiling.rgb_s) / (ceiling.decode_s + ceiling.rgb_s)
+        return samples_per_s, cpu_ms, share
+
     def decode_cpu_ms(self, method: Method) -> float:
-        """Decoding and RGB per sample: the CPU of the ceiling of the method's dataset."""
-        long_gop = self.long_gop is not None and method.name.endswith(LONG_GOP)
-        return self.long_gop[2] if long_gop else self.ceiling_cpu_ms
+        """Decoding and RGB per sample: the ceiling's CPU at the method's amplification."""
+        _, cpu_ms, share = self._decode_share(method)
+        return cpu_ms * share
+
+    def decode_limit(self, method: Method) -> float:
+        """Samples/s if decoding and RGB were all the method did, in the ceiling's processes."""
+        samples_per_s, _, share = self._decode_share(method)
+        return samples_per_s / share
 
     def loader_cpu_ms(self, method: Method) -> float:
-        """A method's CPU per sample beyond decoding and RGB: total minus the ceiling's."""
-        return sum(method.cpu_ms[:2]) - self.decode_cpu_ms(method)
+        """A method's CPU per sample beyond decoding and RGB: total minus the ceiling's, or 0
+        where the ceiling's figure, measured apart, exceeds the total."""
+        return max(0.0, sum(method.cpu_ms[:2]) - self.decode_cpu_ms(method))
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -653,6 +720,16 @@ class BenchReport:
             f"time to first batch over HTTP, sidecar built: x1 {self.ttfs_s['x1']:.2f} s, "
             + (f"x{c.ttfs_scale} {self.ttfs_s['xN']:.2f} s" if "xN" in self.ttfs_s
                else "scaled dataset not measured (--root)"))
+        if self.memory_table:
+            out += ["", "memory: peak total PSS of a training process and its workers over an "
+                    "epoch (MB), ready batches:",
+                    f"{'workers':>7s} {'budget GiB':>10s} {'pool':>7s} {'items':>7s} "
+                    f"{'PSS MB':>7s}"]
+            out += [f"{row.workers:7d} {row.budget_gb:10.2f} {row.pool or 'default':>7} "
+                    f"{'uint8' if row.uint8 else 'float32':>7s} {row.pss_bytes / MB:7,.0f}"
+                    + ("  <- the README's small machine" if row.named else "")
+                    for row in self.memory_table]
+            out.append("")
         p = self.planner
         out.append(
             f"planner (DROID-sized rank: {p.rank_episodes:,} episodes, one of "
@@ -670,7 +747,7 @@ class BenchReport:
                 f"{mix.uniform_mean_distinct:.2f} uniform ({mix.batches} batches)")
         out += [self.hub_run.line(), self.hub_droid.line(), "", "targets:"]
         for t in self.targets:
-            out.append(f"  [{'pass' if t.passed else 'MISS'}] {t.text}: {t.measured}")
+            out.append(f"  [{t.verdict}] {t.text}: {t.measured}")
         out += ["", f"bench took {self.seconds:.0f} s"]
         return out
 
@@ -715,6 +792,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             say("refstream over loopback HTTP, both idioms")
             probe, _ = _streaming(server.url, config, windows, 0)  # builds the sidecar
             spans = span_totals(root, meta, probe.video_index)
+            gop = _gop(probe.video_index)
             marks: list[tuple[int, int]] = []  # server log and bytes: before, made, per pass
 
             def made(r: int):
@@ -737,6 +815,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
                                           return_uint8=True))))
             say("time to first sample over HTTP at two dataset sizes")
             ttfs = {"x1": _first_batch_median(server.url, config, windows)}
+            table = []
+            if config.root is None:
+                say("memory table: a new training process per configuration")
+                table = memory_table(server.url, config, windows)
         if scaled is not None:
             with demo.serve_directory(scaled) as big_server:
                 _streaming(big_server.url, config, windows, 0)
@@ -777,10 +859,55 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         dataset_bytes=dataset_bytes(root), spans=spans, methods=methods, ceiling=ceiling,
         ceiling_samples_per_s=ceiling.frames_per_s / delivered_per_sample,
         ceiling_cpu_ms=_cpu_ms(ceiling, delivered_per_sample),
-        long_gop=gop_figures, ttfs_s=ttfs, planner=planner, droid_mixing=droid_mixing,
+        long_gop=gop_figures, ttfs_s=ttfs, gop=gop, memory_table=table,
+        planner=planner, droid_mixing=droid_mixing,
         hub_run=hub_run, hub_droid=hub_droid, targets=[], seconds=0.0)
     return replace(report, targets=evaluate_targets(report),
                    seconds=time.perf_counter() - started)
+
+
+def _gop(video_index: VideoIndex) -> int:
+    """Frames per keyframe over the dataset's videos (the mean, rounded)."""
+    indexes = MappedIndex(video_index)
+    keyframes = [indexes[relpath].keyframe for relpath in video_index.records]
+    return round(sum(len(k) for k in keyframes) / max(1, sum(int(k.sum()) for k in keyframes)))
+
+
+# A new training process for one row of the memory table: streams one epoch with the arguments
+# of argv[1] (JSON) and prints the peak total PSS of itself and its workers, read every 4 batches.
+MEMORY_CHILD = """import json, os, sys
+import torch
+from refstream.stream import StreamingDataset
+from refstream.tools.bench import descendants, memory_of
+arguments = json.loads(sys.argv[1])
+workers = arguments.pop("num_workers")
+loader = torch.utils.data.DataLoader(StreamingDataset(**arguments), batch_size=None,
+                                     num_workers=workers)
+peak = 0
+for n, batch in enumerate(loader):
+    if n % 4 == 0:
+        peak = max(peak, memory_of([os.getpid(), *descendants(os.getpid())])[1])
+print(json.dumps(peak))
+"""
+
+
+def memory_table(url: str, config: BenchConfig, windows: dict) -> list[MemoryRow]:
+    """The memory table's rows over ``url`` (each a new process, so nothing of the bench's own
+    memory counts)."""
+    grid = [(workers, budget_gb, pool, False) for workers in config.memory_workers
+            for budget_gb in config.memory_budgets_gb for pool in config.memory_pools]
+    rows = []
+    for workers, budget_gb, pool, uint8 in [*grid, (MEMORY_WORKERS, MEMORY_BUDGET_GB,
+                                                    MEMORY_POOL, True)]:
+        arguments = dict(root=url, delta_timestamps=windows, seed=config.seed,
+                         batch_size=config.batch_size, batched=True, byte_budget_gb=budget_gb,
+                         episode_pool_size=pool, return_uint8=uint8, num_workers=workers)
+        done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, json.dumps(arguments)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise UsageError(f"memory table: {arguments}: {done.stderr.strip()}")
+        rows.append(MemoryRow(workers, budget_gb, pool, uint8, json.loads(done.stdout)))
+    return rows
 
 
 def hub_epoch(root: Path, config: BenchConfig, windows: dict) -> HubRun:
@@ -831,12 +958,13 @@ def _first_batch_median(url: str, config: BenchConfig, windows: dict) -> float:
 
 
 def evaluate_targets(report: BenchReport) -> list[Target]:
-    """The targets with the measured values."""
+    """The targets with the measured values; those made for another run, n/a (see
+    :func:`_not_applying`)."""
     c = report.config
     http, base = report.method("refstream-http"), report.method("map-style")
     uint8 = report.method("refstream-http-uint8")
     amplification = http.amplification or 0.0
-    bound = 0.6 * report.ceiling_samples_per_s / amplification if amplification else 0.0
+    bound = 0.6 * report.decode_limit(http)
     loader_ms = report.loader_cpu_ms(http)
     traffic = http.traffic
     allowed = 1.1 * report.episodes * report.cameras + traffic.data_parquet_requests
@@ -844,13 +972,13 @@ def evaluate_targets(report: BenchReport) -> list[Target]:
     x1, xn = report.ttfs_s["x1"], report.ttfs_s.get("xN")
     worst_ttfs = max(x1, xn if xn is not None else 0.0)
     targets = [
-        ("loader_cpu", f"{sum(http.cpu_ms[:2]):.2f} - {report.ceiling_cpu_ms:.2f} = "
+        ("loader_cpu", f"{sum(http.cpu_ms[:2]):.2f} - {report.decode_cpu_ms(http):.2f} = "
                        f"{loader_ms:.2f} ms per sample", loader_ms <= 3.0),
         ("http_vs_map", f"{http.samples_per_s:.1f} vs {base.samples_per_s:.1f} samples/s = "
                         f"{_ratio(http.samples_per_s, base.samples_per_s)}x",
          http.samples_per_s >= 4 * base.samples_per_s),
         ("vs_ceiling", f"{http.samples_per_s:.1f} samples/s vs 0.6 x "
-                       f"{report.ceiling_samples_per_s:.1f} / {amplification:.2f} = {bound:.1f}",
+                       f"{report.decode_limit(http):.1f} = {bound:.1f}",
          http.samples_per_s >= bound),
         ("uint8", f"{uint8.samples_per_s:.1f} vs {http.samples_per_s:.1f} samples/s",
          uint8.samples_per_s >= http.samples_per_s),
@@ -862,14 +990,27 @@ def evaluate_targets(report: BenchReport) -> list[Target]:
         ("requests", f"{traffic.requests} while streaming ({traffic.video_requests} video, "
                      f"{traffic.data_parquet_requests} data Parquet, {traffic.other_requests} "
                      f"other) vs {allowed:.1f}", traffic.requests <= allowed),
-        ("memory", f"{http.peak_rss_above_bytes / MB:.0f} MB (PSS "
-                   f"{http.peak_pss_above_bytes / MB:.0f} MB) vs {memory_bound / MB:.0f} MB",
-         http.peak_rss_above_bytes <= memory_bound),
+        ("memory", f"{http.peak_pss_above_bytes / MB:.0f} MB (RSS "
+                   f"{http.peak_rss_above_bytes / MB:.0f} MB) vs {memory_bound / MB:.0f} MB",
+         http.peak_pss_above_bytes <= memory_bound),
         ("ttfs", f"x1 {x1:.2f} s" + (f", x{c.ttfs_scale} {xn:.2f} s" if xn is not None else ""),
          worst_ttfs <= 3.0),
     ]
     if xn is not None:
-        targets.append(("ttfs_flat", f"{xn:.2f} s vs 1.5 x {x1:.2f} s", xn <= 1.5 * x1))
+        targets.append(("ttfs_flat", f"{xn:.2f} s vs 1.3 x {x1:.2f} s = {1.3 * x1:.2f} s",
+                        xn <= 1.3 * x1))
+    gop = next((m for m in report.methods if m.name.endswith(LONG_GOP)), None)
+    if gop is not None:
+        targets += [
+            ("long_gop_amplification", f"{gop.amplification:.2f} decoded per delivered frame",
+             gop.amplification <= 1.5),
+            ("long_gop_speed", f"{gop.samples_per_s:.1f} vs 0.6 x {http.samples_per_s:.1f} = "
+                               f"{0.6 * http.samples_per_s:.1f} samples/s",
+             gop.samples_per_s >= 0.6 * http.samples_per_s)]
+    named = next((row for row in report.memory_table if row.named), None)
+    if named is not None:
+        targets.append(("memory_table", f"{named.pss_bytes / MB:,.0f} MB vs {GIB / MB:,.0f} MB",
+                        named.pss_bytes <= GIB))
     p, hub, droid = report.planner, report.hub_run, report.hub_droid
     targets.append(("elastic", f"{p.elastic_s:.2f} s for {p.elastic_ranks[0]} -> "
                                f"{p.elastic_ranks[1]} ranks", p.elastic_s <= 30.0))
@@ -878,8 +1019,37 @@ def evaluate_targets(report: BenchReport) -> list[Target]:
                                     "per file", hub.most_per_file <= 1))
     targets.append(("hub_droid", f"{droid.window_average:,.0f} (the first 5 minutes: "
                                  f"{droid.first_window:,})", droid.window_average <= 1500))
-    return [Target(key, TARGET_TEXT[key].replace("xN", f"x{c.ttfs_scale}"), measured, passed)
-            for key, measured, passed in targets]
+    measured = {key: (text, passed) for key, text, passed in targets}
+    out = []
+    for key, text in TARGET_TEXT.items():
+        why = _not_applying(report, key)
+        shown, passed = measured.get(key, ("not measured", None))
+        if why is not None or key not in measured:
+            shown, passed = (f"n/a: {why}; {shown}" if why else f"n/a: {shown}"), None
+        out.append(Target(key, text.replace("xN", f"x{c.ttfs_scale}"), shown, passed))
+    return out
+
+
+# Targets made for the default shape (timing and its ratios, at 320x240 and DataLoader workers)
+# say nothing about a smoke run's thumbnails; those about g=2 or a DROID-sized rank, nothing
+# about other GOPs or a smaller rank.
+_TIMED = {"loader_cpu", "http_vs_map", "vs_ceiling", "uint8", "ttfs", "ttfs_flat",
+          "long_gop_speed", "memory_table"}
+
+
+def _not_applying(report: BenchReport, key: str) -> str | None:
+    """Why ``key`` does not apply to this run, or None when it does."""
+    c = report.config
+    if c.smoke and key in _TIMED:
+        return "--quick is a smoke run; the target holds for the default shape"
+    if c.smoke and key == "elastic":
+        return f"--quick replays {c.droid_episodes:,} episodes, not a DROID-sized run"
+    if key == "amplification" and report.gop != 2:
+        return f"the dataset's GOP is {report.gop} frames, not 2"
+    if c.root is not None and key in ("ttfs_flat", "long_gop_amplification", "long_gop_speed",
+                                      "memory_table"):
+        return "--root measures that dataset alone"
+    return None
 
 
 def plot(report: BenchReport, path: str | os.PathLike) -> bool:

@@ -466,8 +466,8 @@ def run_doctor(args) -> int:
 
 def add_bench(subparsers) -> None:
     p = _command(subparsers, "bench",
-                 "measure refstream side by side with map-style reading, download-then-read "
-                 "and the decode ceiling", run_bench)
+                 "measure refstream side by side with map-style reading and the decode "
+                 "ceiling, and its memory", run_bench)
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
     p.add_argument("--quick", action="store_true",
                    help="a tiny configuration that runs in seconds")
