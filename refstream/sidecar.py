@@ -370,8 +370,7 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
 
 
 def pin_identities(source: Source, records: dict[str, Record]) -> None:
-    """Every later read of a file of ``records`` through ``source`` must find the content the
-    record describes, else PayloadChanged (SPEC §10.1; a volatile record pins nothing)."""
+    """A later read of a file of ``records`` finding other content: PayloadChanged (SPEC §10.1)."""
     for relpath, record in records.items():
         if record.identity:
             source.expect_identity(relpath, record.identity)

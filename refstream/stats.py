@@ -32,8 +32,7 @@ _QUANTILE = re.compile(r"q[0-9]{2}")
 
 
 def selection_stats(source, meta, episodes: Sequence[int]) -> Stats:
-    """The statistics of ``episodes`` alone, from their rows of the episodes files, which
-    ``meta`` (a :class:`refstream.meta.DatasetMeta`) reads from ``source``."""
+    """The statistics of ``episodes`` alone, from their rows (``meta.episode_rows(source, …)``)."""
     return aggregate_stats([episode_stats(row, relpath)[0]
                             for relpath, row in meta.episode_rows(source, episodes)])
 
