@@ -12,6 +12,7 @@ the worker's message and keeps the worker's traceback apart in ``worker_tracebac
 from __future__ import annotations
 
 import re
+from numbers import Integral
 
 
 class RefstreamError(Exception):
@@ -51,11 +52,26 @@ class TopologyChanged(ResumeError):
     """A checkpoint's setup differs from this run's in more than the topology (SPEC §3.6)."""
 
 
-def check_at_least(least: int, **counts: int | None) -> None:
-    """UsageError naming the first of ``counts`` below ``least`` (None: not given)."""
+def is_int(value: object, least: int | None = None, most: int | None = None) -> bool:
+    """Whether ``value`` is an integer (a bool is not) in ``[least, most]`` (None: unbounded)."""
+    return (isinstance(value, Integral) and not isinstance(value, bool)
+            and (least is None or value >= least) and (most is None or value <= most))
+
+
+def check_int(value: object, name: str, least: int, most: int | None = None,
+              error: type[RefstreamError] = UsageError) -> int:
+    """``value`` as an int when :func:`is_int`, else ``error`` saying what ``name`` must be."""
+    if not is_int(value, least, most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise error(f"{name} must be an integer {bound}, got {value!r}")
+    return int(value)
+
+
+def check_at_least(least: int, **counts: object) -> None:
+    """:func:`check_int` of each of ``counts`` that is given (not None)."""
     for name, value in counts.items():
-        if value is not None and value < least:
-            raise UsageError(f"{name} must be at least {least}, got {value}")
+        if value is not None:
+            check_int(value, name, least)
 
 
 # --- the dataset ---------------------------------------------------------------------------

@@ -7,11 +7,11 @@ Use::
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
 
 :func:`load_meta` reads ``meta/info.json``, the episodes files (only the columns refstream uses),
-``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats`), and checks them all
-before it returns (SPEC §4.1–4.4, §4.7). :func:`read_parquet` reads a whole metadata Parquet
-file; every reader of Parquet in refstream turns a column into numpy with :func:`column_array`
-(:func:`index_column` for integer and seconds columns); :func:`next_file` is LeRobot's (chunk,
-file) rollover step.
+``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats` parses it), and checks them
+all before it returns (SPEC §4.1–4.4, §4.7); ``meta.episode_rows`` reads episodes' whole rows.
+:func:`read_parquet` reads a whole metadata Parquet file; every reader of Parquet in refstream turns
+a column into numpy with :func:`column_array` (:func:`index_column` for integer and seconds
+columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
 
 Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
 indices, ``float64`` seconds; an episode's frames are ``to_index − from_index``; every path the
@@ -41,12 +41,13 @@ from refstream.errors import (
     UnsafePath,
     UnsupportedDataset,
     UsageError,
+    check_int,
 )
 from refstream.shard import episode_ids
-from refstream.stats import load_stats
+from refstream.stats import STATS_PATH, parse_stats
 
 __all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
-           "read_parquet", "column_array", "index_column", "next_file"]
+           "read_parquet", "column_array", "index_column", "next_file", "parse_json"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -167,6 +168,19 @@ class DatasetMeta:
         return _format_path(self.video_path, "video_path", video_key=camera, chunk_index=chunk,
                             file_index=file)
 
+    def episode_rows(self, source: Source, episodes: Sequence[int]) -> list[tuple[str, pa.Table]]:
+        """Each episode's row of the episodes table, every column, beside the file it is in."""
+        rows = [self.row(int(e)) for e in episodes]
+        found: dict[int, tuple[str, pa.Table]] = {}
+        first = 0
+        for relpath, count in self.episodes_files:
+            wanted = [row for row in rows if first <= row < first + count]
+            if wanted:
+                table = read_parquet(source, relpath)
+                found.update((row, (relpath, table.slice(row - first, 1))) for row in wanted)
+            first += count
+        return [found[row] for row in rows]
+
 
 def load_meta(source: Source) -> DatasetMeta:
     """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
@@ -189,7 +203,7 @@ def load_meta(source: Source) -> DatasetMeta:
         data_path=info["data_path"],
         video_path=info["video_path"],
         episodes_files=episodes_files,
-        stats=load_stats(source),
+        stats=_read_stats(source),
         info=SimpleNamespace(**info),
         episodes=columns,
         robot_type=info.get("robot_type"),
@@ -225,20 +239,12 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
 
 def _read_info(source: Source) -> tuple[dict, list[str]]:
     """The ``info.json`` object and its camera keys, after SPEC §4.2's checks in their order."""
-    try:  # UTF-8 without a byte-order mark; NaN and Infinity are no JSON (RFC 8259)
-        info = json.loads(source.read_bytes(INFO_PATH).decode("utf-8"),
-                          parse_constant=_not_json)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedDataset(f"{INFO_PATH}: not valid JSON ({exc}); it must be UTF-8 JSON "
-                               "(RFC 8259) without a byte-order mark") from exc
+    info = parse_json(source.read_bytes(INFO_PATH), INFO_PATH)
     if not isinstance(info, dict):
         raise MalformedDataset(f"{INFO_PATH}: not a JSON object")
     _check_version(info)
     for key, least in (("fps", 1), ("total_episodes", 0), ("total_frames", 0), ("chunks_size", 1)):
-        value = info.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise MalformedDataset(f"{INFO_PATH}: {key} must be an integer >= {least}, "
-                                   f"got {value!r}")
+        check_int(info.get(key), f"{INFO_PATH}: {key}", least, error=MalformedDataset)
     features = info.get("features")
     if not isinstance(features, dict) or not features:
         raise MalformedDataset(f"{INFO_PATH}: features must be a non-empty object")
@@ -469,6 +475,25 @@ def _check_paths(meta: DatasetMeta) -> None:
 
 def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:
     return sorted(set(zip(chunks.tolist(), files.tolist(), strict=True)))
+
+
+def _read_stats(source: Source) -> dict | None:
+    """``meta/stats.json`` as arrays (SPEC §4.7), None when the dataset has none."""
+    try:
+        data = source.read_bytes(STATS_PATH)
+    except MalformedDataset:  # what every source raises for a missing file
+        return None
+    return parse_stats(parse_json(data, STATS_PATH, allow_nan=True))  # as LeRobot writes it
+
+
+def parse_json(data: bytes, relpath: str, allow_nan: bool = False) -> object:
+    """The JSON value of metadata file ``relpath``: UTF-8 without a byte-order mark, ``NaN`` and
+    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); MalformedDataset when it is not."""
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _not_json)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedDataset(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
+                               "(RFC 8259) without a byte-order mark") from exc
 
 
 # --- meta/tasks.parquet ------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Use::
     index.pts, index.dts, index.size, index.offset, index.keyframe   # numpy, decode order
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
-:func:`walk_boxes` and :func:`read_box` also serve reports that show a file's boxes.
+:func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
+file's boxes. Words: an *offset* is a byte position (``end``: the file offset where a box or its
+parent ends; ``limit``: a position in the bytes at hand); *composition* is ``pts − dts``, in ticks.
 ``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
 differently. An entry count is checked against its box before anything is allocated. Errors name
 the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
@@ -26,14 +28,14 @@ import numpy as np
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
 __all__ = ["Box", "SampleIndex", "EditList", "parse_index", "locate_moov", "parse_moov",
-           "walk_boxes", "read_box"]
+           "walk_boxes", "read_box", "video_edit_list"]
 
 ReadRange = Callable[[int, int], bytes]
 
 # Size of each probe read: the first holds ftyp and the next box header (and a short clip's
 # whole moov); a probe can reach into the payload of an mdat behind its header by this much.
 PROBE_BYTES = 4096
-# FFmpeg drops a whole ctts table holding an offset beyond this magnitude (mov_read_ctts).
+# FFmpeg drops a whole ctts table holding a composition time beyond this magnitude (mov_read_ctts).
 CTTS_LIMIT = 1 << 28
 
 
@@ -84,8 +86,8 @@ class SampleIndex:
     @functools.cached_property
     def composition_range(self) -> tuple[int, int]:
         """(min, max) of ``pts − dts`` over the file, in ticks ((0, 0) when empty)."""
-        offsets = self.pts.astype(np.int64) - self.dts.astype(np.int64)
-        return (int(offsets.min()), int(offsets.max())) if len(offsets) else (0, 0)
+        composition = self.pts.astype(np.int64) - self.dts.astype(np.int64)
+        return (int(composition.min()), int(composition.max())) if len(composition) else (0, 0)
 
     @functools.cached_property
     def reordered(self) -> bool:
@@ -131,13 +133,13 @@ def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) 
     return Box(kind, where, header, size)
 
 
-def walk_boxes(data: bytes, start: int, end: int, base: int, path: str) -> list[Box]:
-    """The boxes laid end to end in ``data[start:end]``; ``base`` is the file offset of
+def walk_boxes(data: bytes, start: int, limit: int, base: int, path: str) -> list[Box]:
+    """The boxes laid end to end in ``data[start:limit]``; ``base`` is the file offset of
     ``data[0]``."""
     boxes = []
     pos = start
-    while pos < end:
-        boxes.append(read_box(data, pos, end, base, base + end, path))
+    while pos < limit:
+        boxes.append(read_box(data, pos, limit, base, base + limit, path))
         pos += boxes[-1].size
     return boxes
 
@@ -357,6 +359,12 @@ def _edit_list(m: _Moov, trak: Box) -> EditList | None:
     return EditList(empty, entries[-1][0], entries[-1][1])
 
 
+def video_edit_list(moov_bytes: bytes, moov: Box, path: str) -> EditList | None:
+    """The accepted edit list of the video track of a complete moov box (SPEC §6.5), or None."""
+    m = _Moov(moov_bytes, moov, path)
+    return _edit_list(m, _video_track(m))
+
+
 def _rescale(ticks: int, to_scale: int, from_scale: int) -> int:
     """FFmpeg's av_rescale for non-negative values: round half up."""
     return (ticks * to_scale + from_scale // 2) // from_scale
@@ -371,7 +379,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
     decode = np.cumsum(duration) - duration
 
     ctts = m.child(stbl, "ctts", required=False)
-    offset = np.zeros(n, dtype=np.int64)
+    composition = np.zeros(n, dtype=np.int64)  # ticks pts − dts (before the shift)
     shift = 0
     if ctts is not None:
         counts, values = _runs(m, ctts, n)
@@ -380,11 +388,11 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
             raise m.bad(ctts, "an entry has sample_count 0", UnsupportedMp4)
         head = values[:-2]  # FFmpeg ignores the last two entries for these two rules
         if np.any(np.abs(head) > CTTS_LIMIT):
-            raise m.bad(ctts, "an offset beyond 2^28 ticks (FFmpeg discards such a table)",
+            raise m.bad(ctts, "a composition time beyond 2^28 ticks (FFmpeg discards such a table)",
                         UnsupportedMp4)
         shift = max(0, int(-head.min())) if len(head) else 0
-        offset = np.repeat(values, counts)
-    presentation = decode + offset
+        composition = np.repeat(values, counts)
+    presentation = decode + composition
 
     dts = decode - shift
     if edits is not None:
@@ -393,7 +401,7 @@ def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: 
         _check_edit_keeps_all(m, presentation, duration, keyframe, edits.media_time, length,
                               ctts is not None)
         dts = dts + empty - max(int(presentation.min()), 0)
-    pts = dts + shift + offset
+    pts = dts + shift + composition
     return dts, pts, duration
 
 

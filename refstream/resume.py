@@ -31,7 +31,7 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import numpy as np
 
-from refstream.errors import ResumeError, TopologyChanged, UsageError, check_at_least
+from refstream.errors import ResumeError, TopologyChanged, UsageError, check_int, is_int
 from refstream.planner import STRATEGIES, Planner
 from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
 
@@ -95,12 +95,11 @@ class ResumeState:
         if missing:
             raise ResumeError(f"resume state lacks {missing}")
         for name in ("epoch", "samples", "seed", *TOPOLOGY):
-            least = 1 if name in TOPOLOGY else 0
-            if not _integer(state[name], least):
-                raise ResumeError(f"resume state field {name} must be an integer >= {least}")
-        for name in ("pool_size", "byte_budget"):
-            if state[name] is not None and not _integer(state[name], 1):
-                raise ResumeError(f"resume state field {name} must be null or a positive integer")
+            check_int(state[name], f"resume state field {name}", 1 if name in TOPOLOGY else 0,
+                      error=ResumeError)
+        for name in ("pool_size", "byte_budget"):  # null, or an integer
+            if state[name] is not None:
+                check_int(state[name], f"resume state field {name}", 1, error=ResumeError)
         if state["strategy"] not in STRATEGIES or not isinstance(state["repeat"], bool):
             raise ResumeError("resume state has an unknown strategy or a non-boolean repeat")
         if not isinstance(state["selection"], str):
@@ -131,16 +130,11 @@ def _history(entries: object) -> tuple[Segment, ...]:
         raise ResumeError("resume state field history must be a list")
     for item in entries:
         if not (isinstance(item, list) and len(item) == 4
-                and all(_integer(size, 1) for size in item[:3]) and _integer(item[3], 0)):
+                and all(is_int(size, 1) for size in item[:3]) and is_int(item[3], 0)):
             raise ResumeError(f"resume state history entry {item!r} is not [world_size, "
                               "num_workers, batch_size, samples] with positive sizes")
         _check_whole_batches(item[3], item[2])
     return tuple(Segment(*item) for item in entries)
-
-
-def _integer(value: object, least: int) -> bool:
-    """Whether ``value`` is an integer (a bool is not) of at least ``least``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
@@ -151,7 +145,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
     """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (SPEC §3.6)."""
-    check_at_least(0, batches=batches)
+    check_int(batches, "batches", 0)
     workers = len(limits)
     if workers == 0:
         raise UsageError("batches_per_worker needs at least one worker")
@@ -172,7 +166,7 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
     """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
-    check_at_least(1, batch_size=batch_size)
+    check_int(batch_size, "batch_size", 1)
     if not world_worker_frames:
         raise UsageError("epoch_batches needs at least one rank")
     return min(sum(_batches(f, batch_size) for f in rank) for rank in world_worker_frames)
@@ -194,7 +188,7 @@ def resume_positions(
 ) -> ResumePositions:
     """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
     anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
-    check_at_least(1, batch_size=batch_size)
+    check_int(batch_size, "batch_size", 1)
     if epoch < 0 or samples < 0:
         raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
     _check_whole_batches(samples, batch_size)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refstream.errors import UsageError
+from refstream.errors import UsageError, check_int
 
 __all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array",
            "below", "permutation"]
@@ -51,22 +51,12 @@ def label_words(label: int | str) -> list[int]:
     if isinstance(label, bool) or not isinstance(label, int | str):
         raise UsageError(f"an RNG label is an int or a str, not {type(label).__name__}")
     if isinstance(label, int):
-        if not -(1 << 63) <= label <= MASK64:
-            raise UsageError(f"integer RNG label {label} does not fit in 64 bits")
-        return [TAG_INT, label & MASK64]
+        return [TAG_INT, check_int(label, "an RNG label", -(1 << 63), MASK64) & MASK64]
     data = label.encode("utf-8")
     words = [TAG_STR, len(data)]
     for start in range(0, len(data), 8):
         words.append(int.from_bytes(data[start : start + 8].ljust(8, b"\0"), "little"))
     return words
-
-
-def _check_word(value: int, what: str) -> int:
-    """``value`` if it is an integer in ``[0, 2⁶⁴)`` (a bool is not), else UsageError naming
-    ``what``: the domain of a seed and of an index (SPEC §1.2, §1.3)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MASK64:
-        raise UsageError(f"{what} must be an integer in [0, 2**64), got {value!r}")
-    return value
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -76,7 +66,7 @@ def resolve_seed(seed: int | None) -> int:
 
 def derive_key(seed: int, *labels: int | str) -> int:
     """The key of ``labels`` under ``seed`` (SPEC §1.2); UsageError for a bad seed or label."""
-    return extend_key(_check_word(seed, "seed"), *labels)
+    return extend_key(check_int(seed, "seed", 0, MASK64), *labels)
 
 
 def extend_key(key: int, *labels: int | str) -> int:
@@ -89,7 +79,7 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 def u64(key: int, i: int) -> int:
     """Word ``i`` (``0 ≤ i < 2⁶⁴``, else UsageError) of the stream of ``key`` (SPEC §1.3)."""
-    return mix64(key + (_check_word(i, "an RNG index") + 1) * GOLDEN_GAMMA)
+    return mix64(key + (check_int(i, "an RNG index", 0, MASK64) + 1) * GOLDEN_GAMMA)
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
@@ -100,8 +90,7 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 def below(n: int, key: int, i: int) -> int:
     """A number in ``[0, n)`` from word ``i`` of ``key`` (SPEC §1.3)."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MASK64 + 1:
-        raise UsageError(f"below(n) needs an integer n in [1, 2**64], got {n!r}")
+    n = check_int(n, "below(n): n", 1, MASK64 + 1)
     return (u64(key, i) * n) >> 64
 
 

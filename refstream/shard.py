@@ -17,9 +17,8 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
-from refstream.errors import ShardingError, UsageError, check_at_least
+from refstream.errors import ShardingError, UsageError, check_at_least, is_int
 
 __all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_share",
            "worker_shares", "split_limits"]
@@ -40,7 +39,7 @@ class WorkerLimits:
 def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> list[int]:
     """``ids`` as a list of ints (SPEC §2.1, §4.5); ``error`` names the first rule broken."""
     ids = list(ids)
-    bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, Integral)]
+    bad = [e for e in ids if not is_int(e)]
     if bad:
         raise error(f"episode ids must be integers, got {bad!r}")
     ids = [int(e) for e in ids]

@@ -9,8 +9,9 @@ training starts without reading a ``moov`` again (SPEC §10), in one *record* pe
 :func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say. :class:`MappedIndex`
 gives read-only ``SampleIndex`` objects whose arrays are views of the shared, mapped records in
 their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must not wrap).
-The ``refstream.sidecar`` logger says at INFO where the index came from; a build running longer
-than :data:`PROGRESS_AFTER_S` shows its progress on a terminal's stderr.
+The ``refstream.sidecar`` logger says at INFO where the index came from. A build reports each
+file indexed to ``ensure_index``'s ``progress(done, total)``; without one, it logs ``done/total`` at
+INFO every :data:`PROGRESS_EVERY_S` (the library draws nothing: ``refstream index`` does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 import time
 import tokenize
 import warnings
@@ -53,7 +53,7 @@ from refstream.source import RangeFile, Source
 
 __all__ = ["Record", "VideoIndex", "MappedIndex", "ensure_index", "read_record", "record_bytes",
            "record_name", "storage_dtype", "lock_timeout", "cache_folder", "default_cache_root",
-           "video_relpaths", "install", "fsync_directory"]
+           "video_relpaths", "install", "fsync_directory", "pin_identities"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ CACHE_ENV = "REFSTREAM_CACHE"
 LOCK_TIMEOUT_ENV = "REFSTREAM_SIDECAR_LOCK_TIMEOUT_S"
 DEFAULT_LOCK_TIMEOUT_S = 1800.0  # a cold index of a large remote dataset can take many minutes
 LOCK_POLL_S = 0.05
-PROGRESS_AFTER_S = 2.0  # a build shows its progress once it has run this long
+PROGRESS_EVERY_S = 2.0  # without a progress callback, a build logs its progress this often
 PUBLISHED_READ_BYTES = 8 << 20  # the published file is read in ranges this large
 ARRAY_FIELDS = ("dts", "pts", "duration", "size", "offset", "keyframe")
 SCALAR_FIELDS = ("codec", "width", "height", "track_id", "timescale", "movie_timescale")
@@ -231,7 +231,8 @@ def _parse_record(array, size: int, identity: str, relpath: str) -> SampleIndex:
 
 def ensure_index(source: Source, relpaths: Sequence[str], *,
                  cache_root: str | Path | None = None, workers: int = 8,
-                 lock_timeout_s: float | None = None) -> VideoIndex:
+                 lock_timeout_s: float | None = None,
+                 progress: Callable[[int, int], object] | None = None) -> VideoIndex:
     """Every video file's record: cached, published or built (module docstring, SPEC §10.5)."""
     started = time.monotonic()
     timeout_s = lock_timeout(lock_timeout_s)
@@ -245,7 +246,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
     records = {relpath: Record(size, identity, str(folder / record_name(size, identity)))
                for relpath, (size, identity) in identities.items() if identity}
     volatile = _volatile_records(folder, identities, records)
-    _index_files(source, volatile, workers)
+    _index_files(source, volatile, workers, progress)
     published, missing = 0, {}
     if _missing(records):
         with _exclusive(folder / ".lock", timeout_s):
@@ -254,7 +255,7 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
             if missing:
                 published = _take_published(source, missing)
                 missing = _missing(missing)
-            _index_files(source, missing, workers)  # what is still missing is built here
+            _index_files(source, missing, workers, progress)  # what is still missing is built here
             fsync_directory(folder)
     counts = {"cached": len(records) - published - len(missing), "published": published,
               "built": len(missing), "volatile": len(volatile)}
@@ -341,31 +342,38 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
     return taken
 
 
-def _index_files(source: Source, records: dict[str, Record], workers: int) -> None:
+def _index_files(source: Source, records: dict[str, Record], workers: int,
+                 progress: Callable[[int, int], object] | None) -> None:
     """Index every file of ``records`` and install each record as it finishes."""
 
     def index_one(relpath: str, record: Record) -> None:
-        if record.identity:  # a read of another version of the file: PayloadChanged
-            source.expect_identity(relpath, record.identity)
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
         data = record_bytes(index, record.identity)
         _install_record(relpath, record, lambda f: f.write(data))
 
-    started, shown = time.monotonic(), False
+    pin_identities(source, records)
+    logged = time.monotonic()
     pool = ThreadPoolExecutor(max(1, min(workers, len(records))),
                               thread_name_prefix="refstream-index")
     try:
         futures = [pool.submit(index_one, *item) for item in records.items()]
         for done, future in enumerate(as_completed(futures), start=1):
             future.result()
-            if sys.stderr.isatty() and time.monotonic() - started >= PROGRESS_AFTER_S:
-                sys.stderr.write(f"\rindexing video files: {done}/{len(records)}")
-                shown = True
+            if progress:
+                progress(done, len(records))
+            elif time.monotonic() - logged >= PROGRESS_EVERY_S:
+                logged = time.monotonic()
+                log.info("indexing video files: %d/%d", done, len(records))
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, index no further file
-        if shown:
-            sys.stderr.write("\n")
+
+
+def pin_identities(source: Source, records: dict[str, Record]) -> None:
+    """A later read of a file of ``records`` finding other content: PayloadChanged (SPEC §10.1)."""
+    for relpath, record in records.items():
+        if record.identity:
+            source.expect_identity(relpath, record.identity)
 
 
 def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],

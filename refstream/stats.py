@@ -2,31 +2,26 @@
 
 Use::
 
-    meta.stats["action"]["mean"]              # meta/stats.json, read by load_meta (load_stats)
+    meta.stats["action"]["mean"]              # meta/stats.json, parsed by load_meta (parse_stats)
     selection_stats(source, meta, [3, 7])     # the statistics of those episodes alone
     aggregate_stats(episode_stats(table))     # combined from an episodes table's own columns
 
 A statistics dict maps each feature to ``{stat: array}``, float64 (``count`` int64), loaded and
-combined (a selection's from its episodes' own) by SPEC §4.7.
+combined (a selection's from its episodes' own) by SPEC §4.7. The module reads no file:
+:mod:`refstream.meta` reads the bytes and the rows (``meta.episode_rows``) it is given.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from refstream.errors import MalformedDataset, UsageError
 
-if TYPE_CHECKING:
-    from refstream.meta import DatasetMeta, Source
-
-__all__ = ["STATS_PATH", "aggregate_stats", "episode_stats", "load_stats", "parse_stats",
-           "selection_stats"]
+__all__ = ["STATS_PATH", "aggregate_stats", "episode_stats", "parse_stats", "selection_stats"]
 
 STATS_PATH = "meta/stats.json"
 # A feature's statistics: stat name -> array (float64; "count" int64).
@@ -36,37 +31,14 @@ _MOMENTS = ("min", "max", "mean", "std", "count")
 _QUANTILE = re.compile(r"q[0-9]{2}")
 
 
-def load_stats(source: Source) -> Stats | None:
-    """``meta/stats.json`` of the dataset ``source`` reads, None when it has none."""
-    try:
-        data = source.read_bytes(STATS_PATH)
-    except MalformedDataset:  # what every source raises for a missing file
-        return None
-    return parse_stats(data)
+def selection_stats(source, meta, episodes: Sequence[int]) -> Stats:
+    """The statistics of ``episodes`` alone, from their rows (``meta.episode_rows(source, …)``)."""
+    return aggregate_stats([episode_stats(row, relpath)[0]
+                            for relpath, row in meta.episode_rows(source, episodes)])
 
 
-def selection_stats(source: Source, meta: DatasetMeta, episodes: Sequence[int]) -> Stats:
-    """The statistics of ``episodes`` alone, from the episodes files that hold theirs."""
-    from refstream.meta import read_parquet  # meta imports this module
-
-    rows = [meta.row(int(e)) for e in episodes]
-    found: dict[int, Stats] = {}
-    first = 0
-    for relpath, count in meta.episodes_files:
-        wanted = [row for row in rows if first <= row < first + count]
-        if wanted:
-            table = read_parquet(source, relpath).take([row - first for row in wanted])
-            found.update(zip(wanted, episode_stats(table, relpath), strict=True))
-        first += count
-    return aggregate_stats([found[row] for row in rows])
-
-
-def parse_stats(data: bytes, where: str = STATS_PATH) -> Stats:
-    """``meta/stats.json`` as arrays (SPEC §4.7)."""
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedDataset(f"{where}: not JSON ({exc})") from exc
+def parse_stats(document: object, where: str = STATS_PATH) -> Stats:
+    """``meta/stats.json``'s JSON value as arrays (SPEC §4.7)."""
     if not isinstance(document, dict):
         raise MalformedDataset(f"{where}: expected an object of features")
     stats: Stats = {}

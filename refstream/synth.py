@@ -12,6 +12,9 @@ Calls, in the order a loader makes them::
 (:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2),
 which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
 stream (on every file, when it opens the dataset) and the doctor call.
+
+It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads ``fps``,
+``camera_keys``, ``row``, ``frames``, ``video_relpath``, ``video_from_s`` and ``video_to_s``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from refstream.errors import FrameNotFound, MalformedDataset, UsageError
-from refstream.meta import DatasetMeta
 from refstream.mp4 import SampleIndex
 
 __all__ = ["Matches", "serving_samples", "check_frame_rate", "Span", "select_span", "span_of",
@@ -187,14 +189,13 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
-def request_times_s(meta: DatasetMeta, episode: int, camera: str,
-                    timestamps_s: np.ndarray) -> np.ndarray:
+def request_times_s(meta, episode: int, camera: str, timestamps_s: np.ndarray) -> np.ndarray:
     """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``."""
     from_s = float(meta.video_from_s[camera][meta.row(episode)])
     return from_s + np.asarray(timestamps_s).astype(np.float64)
 
 
-def episode_spans(meta: DatasetMeta, episode: int, indexes: Mapping[str, SampleIndex],
+def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
                   tolerance_s: float, timestamps_s: np.ndarray | None = None,
                   cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
     """camera -> (its file's index, the episode's span in it), for ``cameras`` (default: every
@@ -220,9 +221,9 @@ class _Layout:
     """Everything the mini-MP4 header needs, derived from the index and the span (SPEC §7.2)."""
 
     durations: np.ndarray  # int64 ticks per sample
-    offsets: np.ndarray  # int64 composition offsets c, ≥ 0
+    composition: np.ndarray  # int64 ticks c = pts − dts shifted to ≥ 0 (ctts; not bytes)
     sizes: np.ndarray  # int64 bytes
-    relative: np.ndarray  # int64 sample offsets from the start of the payload
+    relative: np.ndarray  # int64 byte offset of each sample from the start of the payload
     sync: np.ndarray  # int64 1-based numbers of the kept sync samples
     media_time: int  # M
     edit_duration: int  # D
@@ -252,15 +253,15 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
         raise UsageError(f"{index.path}: span start_pts {span.start_pts} is not the pts"
                          f" {index.pts[lo]} of sample {lo}")
     composition = pts - dts
-    offsets = composition + max(0, -int(composition.min()))
-    presentation = dts - dts[0] + offsets
+    composition += max(0, -int(composition.min()))
+    presentation = dts - dts[0] + composition
     media_time = int(presentation[0])
     shown = presentation >= media_time
     edit_end = int((presentation + np.maximum(durations, 1))[shown].max())
     keyframes = np.flatnonzero(index.keyframe[samples])
     clean = np.minimum.reduceat(presentation, keyframes) >= presentation[keyframes]
     clean[0] = True
-    return _Layout(durations, offsets, sizes, relative, keyframes[clean] + 1, media_time,
+    return _Layout(durations, composition, sizes, relative, keyframes[clean] + 1, media_time,
                    edit_end - media_time)
 
 
@@ -268,8 +269,8 @@ def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int
     """(chunk offset width 4 or 8, moov size, mdat header size), by SPEC §7.2's arithmetic."""
     samples = len(layout.sizes)
     moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * len(_runs(layout.durations)[0]) + 4 * samples
-    if np.any(layout.offsets != 0):
-        moov += 16 + 8 * len(_runs(layout.offsets)[0])
+    if np.any(layout.composition != 0):
+        moov += 16 + 8 * len(_runs(layout.composition)[0])
     if len(layout.sync) < samples:
         moov += 16 + 4 * len(layout.sync)
     mdat_header = 16 if span.byte_length + 8 > UINT32_MAX else 8
@@ -321,8 +322,8 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
 
     tables = [box(b"stsd", index.stsd), table_box(b"stts", ">u4", *_runs(layout.durations))]
-    if np.any(layout.offsets != 0):
-        tables.append(table_box(b"ctts", ">u4", *_runs(layout.offsets)))
+    if np.any(layout.composition != 0):
+        tables.append(table_box(b"ctts", ">u4", *_runs(layout.composition)))
     if len(layout.sync) < len(layout.sizes):
         tables.append(table_box(b"stss", ">u4", layout.sync))
     tables.append(full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from refstream.errors import UsageError
+from refstream.errors import UsageError, check_int
 
 __all__ = ["make_windows", "window_rows", "check_tolerance"]
 
@@ -29,8 +29,7 @@ def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: in
                  feature_keys: Collection[str] | None = None) -> dict[str, np.ndarray]:
     """Each windowed key's row offsets from the anchor (int64, in the order given) after SPEC
     §5.1's checks; ``delta_timestamps`` None has no windows."""
-    if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
-        raise UsageError(f"fps must be a positive integer, got {fps!r}")
+    check_int(fps, "fps", 1)
     check_tolerance(tolerance_s)
     if delta_timestamps is None:
         return {}

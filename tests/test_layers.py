@@ -4,10 +4,15 @@ Layers, lowest first: ``errors``; the I/O-free core; the edges that do I/O; ``st
 tools (``refstream.tools``). A module may import its own layer and the layers below it, never
 one above: the core imports nothing from the edges, and the library never imports the tools.
 Every module of the package must be placed in a layer, so a new module is a decision, not an
-accident. Imports inside functions count as much as those at the top.
+accident. Imports inside functions (and those for type checking only) count as much as those at
+the top. No two modules import each other, directly or around a loop (the known cycles are listed
+with their reason, and printed), and the pure core loads with every I/O library refused.
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +118,104 @@ def test_the_walker_sees_imports_inside_functions(tmp_path):
     path.write_text("def f():\n    from refstream import stream\n    import refstream.tools.cli\n"
                     "from refstream import __version__\n")
     assert imports_of(path) == {"refstream.stream", "refstream.tools.cli", "refstream"}
+
+
+# --- import cycles ------------------------------------------------------------------------------
+
+# The cycles the package still has, each with why; any other cycle fails the test.
+KNOWN_CYCLES = {
+    frozenset({"refstream.source", "refstream.http", "refstream.hub", "refstream.sidecar"}):
+        "open_source dispatches http(s):// and hf:// roots from inside source, and hub keeps its "
+        "redirect targets with sidecar's cache folder and install",
+    frozenset({"refstream.tools.bench", "refstream.tools.droid"}):
+        "droid's figures take bench's BenchConfig (an import for type checking only)",
+}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The modules of each import cycle: every strongly connected part of ``graph`` with more
+    than one module, or one module importing itself (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            part = {stack.pop()}
+            while module not in part:
+                part.add(stack.pop())
+            if len(part) > 1 or module in graph.get(module, ()):
+                cycles.append(frozenset(part))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_but_the_known_ones():
+    for cycle, why in KNOWN_CYCLES.items():
+        print(f"known import cycle {sorted(cycle)}: {why}")
+    cycles = set(import_cycles(package_graph()))
+    assert sorted(map(sorted, cycles - KNOWN_CYCLES.keys())) == [], "a new import cycle"
+    assert sorted(map(sorted, KNOWN_CYCLES.keys() - cycles)) == [], \
+        "a known cycle is gone: remove it from KNOWN_CYCLES"
+
+
+@pytest.mark.parametrize("module, target", [
+    ("refstream.stats", "refstream.meta"),  # two modules
+    ("refstream.rng", "refstream.planner"),  # planner -> rng -> planner
+    ("refstream.windows", "refstream.windows"),  # a module importing itself
+])
+def test_an_import_cycle_is_caught(module, target):
+    graph = package_graph()
+    graph[module] = graph[module] | {target}
+    new = set(import_cycles(graph)) - KNOWN_CYCLES.keys()
+    assert len(new) == 1 and {module, target} <= next(iter(new))
+
+
+# --- the pure core ------------------------------------------------------------------------------
+
+PURE_CORE = ["synth", "planner", "windows", "shard", "rng", "budget"]
+IO_LIBRARIES = ["pyarrow", "av", "requests", "torch"]
+# Imports the core with every I/O library refused by a meta-path finder, then prints the
+# refstream modules that loaded.
+BLOCKED_IMPORT = """
+import importlib, sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {libraries!r}:
+            raise ImportError(f"{{name}} is refused: the pure core must not import it")
+
+sys.meta_path.insert(0, Refuse())
+for name in {modules!r}:
+    importlib.import_module(f"refstream.{{name}}")
+print(sorted(m for m in sys.modules if m.startswith("refstream")))
+"""
+
+
+def load_without_io(modules: list[str]) -> subprocess.CompletedProcess:
+    code = BLOCKED_IMPORT.format(libraries=IO_LIBRARIES, modules=modules)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+
+
+def test_the_pure_core_loads_without_io_libraries():
+    done = load_without_io(PURE_CORE)
+    assert done.returncode == 0, done.stderr
+    print(done.stdout)
+
+
+def test_a_core_module_importing_an_io_library_is_caught():
+    done = load_without_io(["meta"])  # meta reads Parquet: it is no part of the pure core
+    assert done.returncode != 0 and "pyarrow is refused" in done.stderr

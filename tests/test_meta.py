@@ -249,6 +249,24 @@ def test_missing_files_are_named(tmp_path):
         load_meta(LocalSource(tmp_path / "elsewhere"))
 
 
+@pytest.mark.parametrize("relpath", ["meta/info.json", "meta/stats.json"])
+def test_a_json_file_that_is_not_json_is_named(tmp_path, relpath):
+    write_layout(tmp_path, [4])
+    (tmp_path / relpath).write_bytes(b"\xff not json")
+    with pytest.raises(MalformedDataset, match=f"^{relpath}: not valid JSON"):
+        load_meta(LocalSource(tmp_path))
+
+
+def test_stats_json_may_hold_nan_as_lerobot_writes_it_and_info_json_may_not(tmp_path):
+    write_layout(tmp_path, [4])
+    (tmp_path / "meta/stats.json").write_bytes(b'{"action": {"mean": [NaN, 1.5]}}')
+    assert np.isnan(load_meta(LocalSource(tmp_path)).stats["action"]["mean"][0])
+    info = tmp_path / "meta/info.json"
+    info.write_bytes(info.read_bytes().replace(b"{", b'{"x": NaN, ', 1))
+    with pytest.raises(MalformedDataset, match="^meta/info.json: not valid JSON"):
+        load_meta(LocalSource(tmp_path))
+
+
 @pytest.mark.parametrize(
     "overrides, error, pattern",
     [

@@ -207,7 +207,7 @@ def test_episode_larger_than_budget_fails_before_anything():
         (([1], [2]), {"pool_size": 0}, "pool_size"),
         (([1], [2]), {"epoch": -1}, "epoch"),
         (([1], [2]), {"byte_budget": 10}, "together"),
-        (([1], [2]), {"byte_sizes": [1], "byte_budget": 0}, "byte_budget must be at least 1"),
+        (([1], [2]), {"byte_sizes": [1], "byte_budget": 0}, "byte_budget must be an integer >= 1"),
         (([1], [2]), {"byte_sizes": [-1], "byte_budget": 5}, "negative"),
         (([1], [2]), {"seed": -3}, "seed"),
     ],

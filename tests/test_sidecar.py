@@ -773,24 +773,46 @@ def test_workers_map_the_records_read_only_and_share_their_pages(root, cache):
     assert report["Pss"] <= report["Rss"] * 0.6  # each resident page is split between two
 
 
-def test_the_origin_is_logged_and_a_long_build_shows_progress(root, cache, monkeypatch, caplog):
+def test_the_origin_and_progress_are_logged_and_the_library_draws_nothing(root, cache,
+                                                                           monkeypatch, caplog):
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     caplog.set_level(logging.INFO, logger="refstream")
-    for terminal, after_s in ((False, 0.0), (True, 3600.0), (True, 0.0)):
-        monkeypatch.setattr(sidecar, "PROGRESS_AFTER_S", after_s)
-        stderr = Terminal() if terminal else io.StringIO()
-        monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    for every_s in (3600.0, 0.0):
+        monkeypatch.setattr(sidecar, "PROGRESS_EVERY_S", every_s)
         shutil.rmtree(cache, ignore_errors=True)
+        caplog.clear()
         ensure(root, cache)
-        shown = terminal and after_s == 0.0
-        assert ("indexing video files: 3/3\n" in stderr.getvalue()) == shown, stderr.getvalue()
-        assert "\r" in stderr.getvalue() if shown else stderr.getvalue() == ""
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("indexing")]
+        assert logged == ([] if every_s else ["indexing video files: 1/3",
+                                              "indexing video files: 2/3",
+                                              "indexing video files: 3/3"])
     assert "video index of 3 files" in caplog.text and "3 built" in caplog.text
+    assert sys.stderr.getvalue() == ""
+    shutil.rmtree(cache, ignore_errors=True)
+    calls = []
+    ensure(root, cache, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)]
     ensure(root, cache)
     assert "3 cached" in caplog.records[-1].getMessage()
+
+
+def test_the_index_command_draws_progress_on_a_terminal(monkeypatch):
+    from refstream.tools.cli import draw_index_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stderr, drawn in ((Terminal(), "\rindexing video files: 1/2\rindexing video files: 2/2\n"),
+                          (io.StringIO(), "")):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        draw_index_progress(1, 2)
+        draw_index_progress(2, 2)
+        assert stderr.getvalue() == drawn
 
 
 # --- the command line --------------------------------------------------------------------------

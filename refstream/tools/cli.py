@@ -325,7 +325,7 @@ def run_index(args) -> int:
     started = time.monotonic()
     with contextlib.closing(open_source(args.root)) as source:
         index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
-                                     workers=args.workers)
+                                     workers=args.workers, progress=draw_index_progress)
     seconds = time.monotonic() - started
     records = {record.path: record for record in index.records.values()}
     # One record mapped at a time: mapping them all would hold their pages.
@@ -341,6 +341,13 @@ def run_index(args) -> int:
         summary["output"] = str(export_index(index, args.output))
     _print_summary(summary, args.json)
     return 0
+
+
+def draw_index_progress(done: int, total: int) -> None:
+    """``indexing video files: done/total``, redrawn on one line of a terminal's stderr."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        sys.stderr.write(f"\rindexing video files: {done}/{total}{end}")
 
 
 def export_index(index: VideoIndex, output: str | Path) -> Path:

@@ -8,12 +8,10 @@ import numpy as np
 from refstream.mp4 import (
     Box,
     ReadRange,
-    _edit_list,
-    _Moov,
-    _video_track,
     locate_moov,
     parse_moov,
     read_box,
+    video_edit_list,
     walk_boxes,
 )
 
@@ -55,8 +53,7 @@ def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
     moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
     tree = box_tree(read_range, file_size, path, moov, moov_bytes)
     index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
-    track = _Moov(moov_bytes, moov, path)
-    edits = _edit_list(track, _video_track(track))
+    edits = video_edit_list(moov_bytes, moov, path)
     keys = np.flatnonzero(index.keyframe)
     ends = np.append(keys[1:], len(index))
     return {
