@@ -54,8 +54,9 @@ class TopologyChanged(ResumeError):
 
 def is_int(value: object, least: int | None = None, most: int | None = None) -> bool:
     """Whether ``value`` is an integer (a bool is not) in ``[least, most]`` (None: unbounded)."""
-    return (isinstance(value, Integral) and not isinstance(value, bool)
-            and (least is None or value >= least) and (most is None or value <= most))
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, Integral)):
+        return False  # (``type`` first: the RNG checks every draw, and ABCs are slow)
+    return (least is None or value >= least) and (most is None or value <= most)
 
 
 def check_int(value: object, name: str, least: int, most: int | None = None,
@@ -64,7 +65,7 @@ def check_int(value: object, name: str, least: int, most: int | None = None,
     if not is_int(value, least, most):
         bound = f">= {least}" if most is None else f"in [{least}, {most}]"
         raise error(f"{name} must be an integer {bound}, got {value!r}")
-    return int(value)
+    return value if type(value) is int else int(value)
 
 
 def check_at_least(least: int, **counts: object) -> None:

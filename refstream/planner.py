@@ -28,7 +28,7 @@ from itertools import accumulate, islice
 import numpy as np
 
 from refstream.errors import EpisodeTooLarge, UsageError, check_at_least
-from refstream.rng import below, derive_key, extend_key, permutation, resolve_seed
+from refstream.rng import below_unchecked, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
 __all__ = ["STRATEGIES", "Planner"]
@@ -129,7 +129,7 @@ class Planner:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":  # the resident whose frames left hold draw t
             ends = list(accumulate(self._left.values()))  # ends[-1] is R
-            t = below(ends[-1], self._draw_key, self._emitted)
+            t = below_unchecked(ends[-1], self._draw_key, self._emitted)
             return list(self._left)[bisect_right(ends, t)]
         if not self._round:
             key = extend_key(self._round_key, self._rounds_started)

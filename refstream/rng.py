@@ -22,8 +22,8 @@ import numpy as np
 
 from refstream.errors import UsageError, check_int
 
-__all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array",
-           "below", "permutation"]
+__all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array", "below",
+           "below_unchecked", "permutation"]
 
 MASK64 = (1 << 64) - 1
 # The seed when the user gives none (LeRobot's DEFAULT_STREAMING_SEED).
@@ -79,7 +79,17 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 def u64(key: int, i: int) -> int:
     """Word ``i`` (``0 ≤ i < 2⁶⁴``, else UsageError) of the stream of ``key`` (SPEC §1.3)."""
-    return mix64(key + (check_int(i, "an RNG index", 0, MASK64) + 1) * GOLDEN_GAMMA)
+    return _word(key, check_int(i, "an RNG index", 0, MASK64))
+
+
+def _word(key: int, i: int) -> int:
+    return mix64(key + (i + 1) * GOLDEN_GAMMA)
+
+
+def below_unchecked(n: int, key: int, i: int) -> int:
+    """:func:`below` without its argument checks, for arguments known to be in range (the
+    planner's draw, once per anchor)."""
+    return (_word(key, i) * n) >> 64
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
@@ -90,8 +100,7 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 def below(n: int, key: int, i: int) -> int:
     """A number in ``[0, n)`` from word ``i`` of ``key`` (SPEC §1.3)."""
-    n = check_int(n, "below(n): n", 1, MASK64 + 1)
-    return (u64(key, i) * n) >> 64
+    return (u64(key, i) * check_int(n, "below(n): n", 1, MASK64 + 1)) >> 64
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
