@@ -20,7 +20,6 @@ templates give for this dataset was checked safe at load time (:func:`check_relp
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import string
@@ -373,13 +372,15 @@ def read_parquet(source: Source, relpath: str, columns: list[str] | None = None,
     MalformedDataset if one of ``columns`` is missing."""
     data = source.read_bytes(relpath)
     try:
-        present = set(pq.read_schema(io.BytesIO(data)).names)
+        present = set(pq.read_schema(pa.BufferReader(data)).names)
         missing = [c for c in columns or [] if c not in present]
         if missing:
             raise MalformedDataset(f"{relpath}: missing column(s) {missing}")
         if columns is not None:
             columns = columns + [c for c in optional if c in present]
-        return pq.read_table(io.BytesIO(data), columns=columns)
+        # Arrow's own reader of the bytes, on this thread: a Python file object read by Arrow's
+        # thread pool can abort the interpreter at exit (apache/arrow#34314).
+        return pq.read_table(pa.BufferReader(data), columns=columns, use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise MalformedDataset(f"{relpath}: not a readable Parquet file ({exc})") from exc
 
