@@ -176,7 +176,7 @@ class StreamingDataset(IterableDataset):
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
                      for w in range(course.setup.num_workers)]
-        batches = sum(-(-stop // self.batch_size) for stop in stops)
+        batches = sum(shard.ceil_div(stop, self.batch_size) for stop in stops)
         return batches if self.batched else batches * self.batch_size
 
     def __getitem__(self, index):
@@ -194,8 +194,7 @@ class StreamingDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
         ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
+        errors.check_int(epoch, "epoch", 0)
         if epoch == self._resumes_into and not int(self._position[_PASS]):
             return
         self._history, self._delivered, self._resumes_into = (), None, None
@@ -222,7 +221,8 @@ class StreamingDataset(IterableDataset):
                 f"started since end with epoch {start.epochs[0] + started - 1}. samples counts "
                 "what was consumed since construction, set_epoch or load_state_dict")
         if not (self.repeat or self._history):  # name the epoch in progress
-            epoch, base = end.epochs[0], sum(-(-a // batch_size) for a in end.offsets) * batch_size
+            epoch = end.epochs[0]
+            base = sum(shard.ceil_div(a, batch_size) for a in end.offsets) * batch_size
             samples = 0
         return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 

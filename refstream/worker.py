@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from refstream import shard, synth
+from refstream import shard, sidecar, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache, select_frames
 from refstream.errors import FetchError, TableError
@@ -158,7 +158,7 @@ class WorkerStream:
         self.source = open_source(dataset.worker_root)
         self.footers = Footers()
         threads = dataset.decode_threads  # each with its own decoders; the yielding one too
-        self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
+        self.decoders = [DecoderCache(max(1, shard.ceil_div(limits.decoder_cache, threads)))
                          for _ in range(threads)]
         self.fetch_pool = ThreadPoolExecutor(  # threads start when used
             max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
@@ -171,9 +171,7 @@ class WorkerStream:
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
-            for relpath, record in dataset.video_index.records.items():
-                if record.identity:
-                    self.source.expect_identity(relpath, record.identity)
+            sidecar.pin_identities(self.source, dataset.video_index.records)
 
     # --- the loop -----------------------------------------------------------------------------
 
