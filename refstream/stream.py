@@ -46,7 +46,7 @@ from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.synth import check_frame_rate
 from refstream.windows import check_tolerance, make_windows
-from refstream.worker import Batch, WorkerStream, plan_spans
+from refstream.worker import Batch, WorkerConfig, WorkerStream, plan_spans
 
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
@@ -107,13 +107,7 @@ class StreamingDataset(IterableDataset):
         self._seed_given = seed is not None  # else a checkpoint's seed is taken
         self.sampling_strategy = sampling_strategy
         self.episode_pool_size = episode_pool_size
-        self.prefetch_episodes = prefetch_episodes
-        self.decode_threads = decode_threads
-        self.decoded_queue_size = decoded_queue_size
-        self.video_decoder_cache_size = video_decoder_cache_size
-        self.return_uint8 = return_uint8
         self.delta_timestamps = delta_timestamps  # as given, like LeRobotDataset's
-        self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
         self.batched = batched
@@ -130,8 +124,8 @@ class StreamingDataset(IterableDataset):
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
             self._frames = [self.meta.frames(e) for e in self.episodes]
-            self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
-                                        feature_keys=self.meta.features)
+            windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
+                                   feature_keys=self.meta.features)
             share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
             parts = shard.lpt_partition(self.episodes, self._frames, self.world_size)
             self._most_workers = max(1, min(map(len, parts)))  # SPEC §2.2, Idle workers
@@ -143,15 +137,23 @@ class StreamingDataset(IterableDataset):
                     index = sidecar.read_record(record.path, record.size, record.identity, relpath)
                     check_frame_rate(index.pts, index.timescale, self.meta.fps, relpath)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
-            self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
+            worker_root = pinned_root(self.root, source.identity(INFO_PATH))
         # The rank's byte budget; None without cameras (nothing to reserve).
         self.byte_budget = int(byte_budget_gb * GIB) if self.meta.camera_keys else None
+        self.config = WorkerConfig(
+            meta=self.meta, frame_counts=dict(zip(self.episodes, self._frames, strict=True)),
+            windows=windows, tolerance_s=self.tolerance_s,
+            dtype=torch.uint8 if return_uint8 else torch.float32,
+            image_transforms=image_transforms, root=worker_root, video_index=self.video_index,
+            decode_threads=decode_threads, prefetch_episodes=prefetch_episodes,
+            group=batch_size if batched else decoded_queue_size, batched=batched,
+            pool_size=episode_pool_size, byte_budget=self.byte_budget,
+            decoder_cache=video_decoder_cache_size)
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
         meta = self.meta
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
-        self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
-        self.rank_frames = sum(self._frames_of[e] for e in share)
+        self.rank_frames = sum(self.config.frame_counts[e] for e in share)
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
@@ -174,7 +176,7 @@ class StreamingDataset(IterableDataset):
                                self.episodes, self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
-            stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
+            stops = [sum(self.config.frame_counts[e] for e in course.episodes_from(self.rank, w, 0))
                      for w in range(course.setup.num_workers)]
         batches = sum(shard.ceil_div(stop, self.batch_size) for stop in stops)
         return batches if self.batched else batches * self.batch_size
@@ -186,7 +188,7 @@ class StreamingDataset(IterableDataset):
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
         §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
-        with contextlib.closing(open_source(self.worker_root)) as source:
+        with contextlib.closing(open_source(self.config.root)) as source:
             return selection_stats(source, self.meta, self.episodes)
 
     # --- position: epochs and resume ----------------------------------------------------------
@@ -239,7 +241,7 @@ class StreamingDataset(IterableDataset):
         resumed = parsed.resume_with(self._setup(self.batch_size, workers))
         self._history, self._delivered = resumed.history, None
         if resumed.history:
-            _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
+            _, sizes = plan_spans(self.config, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
         self._resumes_into = min(self._start(self.batch_size, workers)[1].epochs)
@@ -293,9 +295,7 @@ class StreamingDataset(IterableDataset):
                 _warn_idle(num_workers, playing)
             return
         logical = (worker + positions.rotation) % playing
-        limits = shard.split_limits(
-            playing, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
-            decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
+        limits = self.config.limits(playing)
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         episodes = course.episodes_from(self.rank, logical, epoch)
 
@@ -304,9 +304,8 @@ class StreamingDataset(IterableDataset):
                 planner = self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget)
                 yield planner, offset if at == epoch else 0, positions.stops[logical]
 
-        with contextlib.closing(WorkerStream(self, episodes, limits)) as stream:
-            yield from stream.stream(runs(), self.batch_size if self.batched
-                                     else self.decoded_queue_size, self.batched, info is not None)
+        with contextlib.closing(WorkerStream(self.config, episodes, limits)) as stream:
+            yield from stream.stream(runs(), in_worker=info is not None)
 
     def _enter(self, info) -> int:
         """How many iterators started before this one since the position was set; the workers

@@ -1,14 +1,16 @@
 """One DataLoader worker's stream: its share's samples, or ready batches, in planner order
 (SPEC §9.2, §9.3). ``StreamingDataset`` runs, in each worker::
 
-    with contextlib.closing(WorkerStream(dataset, share, limits)) as worker:  # plans spans
-        yield from worker.stream(runs, group=B, batched=True, in_worker=True)
+    with contextlib.closing(WorkerStream(config, share, limits)) as worker:  # plans spans
+        yield from worker.stream(runs, in_worker=True)
 
-``runs`` gives ``(planner, offset, stop)`` per epoch. Fetch threads fetch each admitted episode:
-its rows and, per camera, its span made a mini-MP4 and the frame serving each row. Samples are
-made ``group`` at a time, their frames decoded by the decode threads into the group's tensors.
-A ready :class:`Batch`'s camera tensors are shared memory (:class:`SharedBuffers`): they cross
-to the training process as handles and are written again once that process dropped them.
+``config`` (a :class:`WorkerConfig`) is all a worker knows of the dataset: made once in the main
+process, it is pickled to the workers. ``runs`` gives ``(planner, offset, stop)`` per epoch.
+Fetch threads fetch each admitted episode: its rows and, per camera, its span made a mini-MP4 and
+the frame serving each row. Samples are made ``config.group`` at a time, their frames decoded by
+the decode threads into the group's tensors. A ready :class:`Batch`'s camera tensors are shared
+memory (:class:`SharedBuffers`): they cross to the training process as handles and are written
+again once that process dropped them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,15 +30,15 @@ from refstream import shard, sidecar, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache, select_frames
 from refstream.errors import FetchError, TableError
-from refstream.meta import column_array
+from refstream.meta import DatasetMeta, column_array
 from refstream.mp4 import SampleIndex
 from refstream.planner import Planner
-from refstream.sidecar import MappedIndex
+from refstream.sidecar import MappedIndex, VideoIndex
 from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 
-__all__ = ["WorkerStream", "Batch", "SharedBuffers", "plan_spans", "hf_to_torch"]
+__all__ = ["WorkerConfig", "WorkerStream", "Batch", "SharedBuffers", "plan_spans", "hf_to_torch"]
 
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
@@ -47,6 +49,33 @@ MAX_SHARED_BUFFERS = 1024
 # Tensors up to this size travel inside a batch's pickle, the rest as shared memory: for the
 # small ones (indices, actions, masks) that is cheaper than a file and a descriptor each.
 INLINE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker reads of the dataset: its selection, sample layout and settings."""
+
+    meta: DatasetMeta
+    frame_counts: Mapping[int, int]  # selected episode -> its frame count
+    windows: Mapping[str, np.ndarray]  # key -> frame offsets of its window (refstream.windows)
+    tolerance_s: float
+    dtype: torch.dtype  # of camera tensors
+    image_transforms: Callable | None
+    root: str  # opened by each worker: a Hub branch pinned to the commit the metadata came from
+    video_index: VideoIndex | None  # None without cameras
+    decode_threads: int
+    prefetch_episodes: int
+    group: int  # samples made and decoded together: a batch when batched
+    batched: bool
+    pool_size: int | None  # per worker, the per-rank limits below (see limits)
+    byte_budget: int | None
+    decoder_cache: int | None
+
+    def limits(self, num_workers: int) -> shard.WorkerLimits:
+        """One of ``num_workers`` workers' limits (SPEC §2.3)."""
+        return shard.split_limits(num_workers, pool_size=self.pool_size,
+                                  byte_budget=self.byte_budget, decoder_cache=self.decoder_cache,
+                                  cameras=len(self.meta.camera_keys))
 
 
 @dataclass(frozen=True)
@@ -128,11 +157,11 @@ class SharedBuffers:
         return tensor, (self.flags, cell)
 
 
-def plan_spans(dataset, episodes: Sequence[int],
+def plan_spans(config: WorkerConfig, episodes: Sequence[int],
                index: Mapping[str, SampleIndex]) -> tuple[dict[int, dict], dict[int, int]]:
     """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
     exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
-    spans = {e: synth.episode_spans(dataset.meta, e, index, dataset.tolerance_s)
+    spans = {e: synth.episode_spans(config.meta, e, index, config.tolerance_s)
              for e in episodes}
     return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
                    for e in episodes}
@@ -141,27 +170,26 @@ def plan_spans(dataset, episodes: Sequence[int],
 class WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
 
-    def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits) -> None:
-        self.ds, self.meta = dataset, dataset.meta
+    def __init__(self, config: WorkerConfig, share: list[int], limits: shard.WorkerLimits) -> None:
+        self.config, self.meta = config, config.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
-        self.offsets = dataset.windows
+        self.offsets = config.windows
         # A sample's keys in the order of LeRobot's items: cameras, columns, pad masks, task.
         self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.offsets),
                      "task"]
-        self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
         # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
         # nothing, and one path reserves, fetches and frees.
-        self.index = MappedIndex(dataset.video_index)
-        self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
+        self.index = MappedIndex(config.video_index)
+        self.spans, self.byte_sizes = plan_spans(config, share, self.index)
         self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
                             for camera, (index, _) in self.spans[share[0]].items()}
-        self.source = open_source(dataset.worker_root)
+        self.source = open_source(config.root)
         self.footers = Footers()
-        threads = dataset.decode_threads  # each with its own decoders; the yielding one too
+        threads = config.decode_threads  # each with its own decoders; the yielding one too
         self.decoders = [DecoderCache(max(1, shard.ceil_div(limits.decoder_cache, threads)))
                          for _ in range(threads)]
         self.fetch_pool = ThreadPoolExecutor(  # threads start when used
-            max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
+            max(1, min(MAX_FETCH_THREADS, limits.pool_size + config.prefetch_episodes)),
             thread_name_prefix="refstream-fetch")
         self.decode_pool = ThreadPoolExecutor(max(1, threads - 1),
                                               thread_name_prefix="refstream-decode")
@@ -171,14 +199,15 @@ class WorkerStream:
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
-            sidecar.pin_identities(self.source, dataset.video_index.records)
+            sidecar.pin_identities(self.source, config.video_index.records)
 
     # --- the loop -----------------------------------------------------------------------------
 
-    def stream(self, runs: Iterator[tuple[Planner, int, int | None]], group: int, batched: bool,
+    def stream(self, runs: Iterator[tuple[Planner, int, int | None]],
                in_worker: bool) -> Iterator[dict]:
-        """The runs' samples, or Batches of ``group`` of them (``in_worker``: to be pickled)."""
-        shared = batched and self.ds.image_transforms is None
+        """The runs' samples, or Batches of them (``in_worker``: to be pickled)."""
+        group, batched = self.config.group, self.config.batched
+        shared = batched and self.config.image_transforms is None
         made = self._group(group, shared)
         for anchor in self._anchors(runs):
             if anchor is not None:
@@ -198,9 +227,9 @@ class WorkerStream:
         for camera, (height, width) in self.frame_sizes.items():
             shape = (size, len(self.offsets.get(camera, [0])), 3, height, width)
             if not shared:
-                frames[camera] = torch.empty(shape, dtype=self.torch_dtype)
+                frames[camera] = torch.empty(shape, dtype=self.config.dtype)
                 continue
-            frames[camera], lease = self.buffers.take(shape, self.torch_dtype)
+            frames[camera], lease = self.buffers.take(shape, self.config.dtype)
             leases.update({camera: lease} if lease else {})
         return _Group(frames, leases)
 
@@ -258,7 +287,7 @@ class WorkerStream:
         for key in self.columns + self.cameras:
             rows = frame
             if key in self.offsets:
-                rows, pad = window_rows(self.offsets[key], frame, self.ds._frames_of[episode])
+                rows, pad = window_rows(self.offsets[key], frame, self.config.frame_counts[episode])
                 made.values[f"{key}_is_pad"].append(pad)
             if key in columns:
                 made.values[key].append(columns[key][rows])
@@ -282,11 +311,11 @@ class WorkerStream:
         values = {key: hf_to_torch(np.stack(v)) for key, v in made.values.items()}
         for camera, frames in made.frames.items():  # one-frame windows: LeRobot's squeeze(0)
             values[camera] = frames[:count] if camera in self.offsets else frames[:count, 0]
-        if self.ds.image_transforms is not None:
+        if self.config.image_transforms is not None:
             for camera in self.cameras:
                 values[camera] = list(values[camera])
             for i, camera in itertools.product(range(count), self.cameras):  # LeRobot's call order
-                values[camera][i] = self.ds.image_transforms(values[camera][i])
+                values[camera][i] = self.config.image_transforms(values[camera][i])
         if not batched:
             for i in range(count):
                 yield {key: values[key][i] for key in self.keys}
@@ -309,7 +338,7 @@ class WorkerStream:
 
     def _prefetch(self) -> None:
         """Reserve and fetch frontier episodes while they fit without evicting anything."""
-        frontier = self.planner.frontier(self.ds.prefetch_episodes)
+        frontier = self.planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
                 continue
@@ -340,7 +369,7 @@ class WorkerStream:
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
-                self.source, relpath, episode, self.ds._frames_of[episode], self.columns,
+                self.source, relpath, episode, self.config.frame_counts[episode], self.columns,
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
@@ -354,7 +383,7 @@ class WorkerStream:
     def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
         """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
         need no sample outside the span the budget was sized from."""
-        exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
+        exact = synth.episode_spans(self.meta, episode, self.index, self.config.tolerance_s,
                                     timestamps)
         videos = {}
         for camera, (sample_index, span) in self.spans[episode].items():
@@ -373,7 +402,7 @@ class WorkerStream:
             pts = sample_index.pts[samples].astype(np.int64)
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
-                                   self.ds.tolerance_s, f"episode {episode} camera {camera}")
+                                   self.config.tolerance_s, f"episode {episode} camera {camera}")
             anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
             requested = window_rows(self.offsets.get(camera, [0]), anchors, len(anchors))[0]
             served, counts = np.unique(pts[chosen][requested], return_counts=True)
