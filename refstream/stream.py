@@ -106,7 +106,6 @@ class StreamingDataset(IterableDataset):
         self.seed = resolve_seed(seed)
         self._seed_given = seed is not None  # else a checkpoint's seed is taken
         self.sampling_strategy = sampling_strategy
-        self.episode_pool_size = episode_pool_size
         self.delta_timestamps = delta_timestamps  # as given, like LeRobotDataset's
         self.repeat = repeat
         self.batch_size = batch_size
@@ -138,8 +137,6 @@ class StreamingDataset(IterableDataset):
                     check_frame_rate(index.pts, index.timescale, self.meta.fps, relpath)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             worker_root = pinned_root(self.root, source.identity(INFO_PATH))
-        # The rank's byte budget; None without cameras (nothing to reserve).
-        self.byte_budget = int(byte_budget_gb * GIB) if self.meta.camera_keys else None
         self.config = WorkerConfig(
             meta=self.meta, frame_counts=dict(zip(self.episodes, self._frames, strict=True)),
             windows=windows, tolerance_s=self.tolerance_s,
@@ -147,8 +144,9 @@ class StreamingDataset(IterableDataset):
             image_transforms=image_transforms, root=worker_root, video_index=self.video_index,
             decode_threads=decode_threads, prefetch_episodes=prefetch_episodes,
             group=batch_size if batched else decoded_queue_size, batched=batched,
-            pool_size=episode_pool_size, byte_budget=self.byte_budget,
-            decoder_cache=video_decoder_cache_size)
+            pool_size=episode_pool_size, decoder_cache=video_decoder_cache_size,
+            # The rank's byte budget; None without cameras (nothing to reserve).
+            byte_budget=int(byte_budget_gb * GIB) if self.meta.camera_keys else None)
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
         meta = self.meta
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
@@ -249,19 +247,22 @@ class StreamingDataset(IterableDataset):
     def _start(self, batch_size: int, num_workers: int
                ) -> tuple[resume.Course, resume.ResumePositions]:
         """The plans from the position on, and where each logical worker starts in them."""
-        epoch, samples, _, _, history, _ = (int(v) for v in self._position)
+        epoch, samples, _, seed, history, _ = (int(v) for v in self._position)
         delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(batch_size, num_workers), self.episodes,
+        course = resume.Course(self._setup(batch_size, num_workers, seed & MASK64), self.episodes,
                                self._frames, delivered)
         return course, course.positions(self.rank, samples)
 
-    def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
+    def _setup(self, batch_size: int, num_workers: int,
+               seed: int | None = None) -> resume.ResumeSetup:
+        """The setup of this dataset (``seed``: the position's, in a worker)."""
         if self.batch_size is not None and batch_size != self.batch_size:
             raise TopologyChanged(f"batch size {batch_size} differs from the dataset's "
                                   f"batch_size {self.batch_size}")
         return resume.ResumeSetup(
-            seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self.byte_budget, world_size=self.world_size,
+            seed=self.seed if seed is None else seed, strategy=self.sampling_strategy,
+            pool_size=self.config.pool_size, byte_budget=self.config.byte_budget,
+            world_size=self.world_size,
             num_workers=min(num_workers, self._most_workers), batch_size=batch_size,
             repeat=self.repeat, selection=resume.selection_digest(self.episodes, self._frames))
 
@@ -270,8 +271,7 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        _, _, resume_workers, seed, history, _ = (int(v) for v in self._position)
-        self.seed = seed & MASK64
+        _, _, resume_workers, _, history, _ = (int(v) for v in self._position)
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
                              "workers started: load it before the first iter(loader)")
@@ -299,13 +299,11 @@ class StreamingDataset(IterableDataset):
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         episodes = course.episodes_from(self.rank, logical, epoch)
 
-        def runs():  # (planner, offset, stop) of each epoch the worker plays
-            for at in itertools.count(epoch) if self.repeat else [epoch]:
-                planner = self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget)
-                yield planner, offset if at == epoch else 0, positions.stops[logical]
-
         with contextlib.closing(WorkerStream(self.config, episodes, limits)) as stream:
-            yield from stream.stream(runs(), in_worker=info is not None)
+            runs = ((self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget),
+                     offset if at == epoch else 0, positions.stops[logical])
+                    for at in (itertools.count(epoch) if self.repeat else [epoch]))
+            yield from stream.stream(runs, in_worker=info is not None)
 
     def _enter(self, info) -> int:
         """How many iterators started before this one since the position was set; the workers
@@ -324,9 +322,10 @@ class StreamingDataset(IterableDataset):
         try:
             return course.planner(self.rank, logical, epoch, byte_sizes)
         except EpisodeTooLarge as exc:
-            workers, need = course.setup.num_workers, max(byte_sizes.values())
+            workers, gib = course.setup.num_workers, course.setup.byte_budget / GIB
+            need = max(byte_sizes.values())
             raise EpisodeTooLarge(f"{exc}: each of the {workers} DataLoader worker(s) gets "
-                                  f"byte_budget_gb={self.byte_budget / GIB:.4g} / {workers} = "
+                                  f"byte_budget_gb={gib:.4g} / {workers} = "
                                   f"{worker_budget:,} bytes; raise byte_budget_gb to at least "
                                   f"{need * workers / GIB:.4g} or use fewer workers") from exc
 

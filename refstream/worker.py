@@ -49,6 +49,8 @@ MAX_SHARED_BUFFERS = 1024
 # Tensors up to this size travel inside a batch's pickle, the rest as shared memory: for the
 # small ones (indices, actions, masks) that is cheaper than a file and a descriptor each.
 INLINE_BYTES = 1 << 20
+# What WorkerStream._anchors yields where the anchors it gave so far must be decoded first.
+DECODE_FIRST = None
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,9 @@ class WorkerStream:
     def __init__(self, config: WorkerConfig, share: list[int], limits: shard.WorkerLimits) -> None:
         self.config, self.meta = config, config.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
-        self.offsets = config.windows
+        self.windows = config.windows
         # A sample's keys in the order of LeRobot's items: cameras, columns, pad masks, task.
-        self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.offsets),
+        self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.windows),
                      "task"]
         # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
         # nothing, and one path reserves, fetches and frees.
@@ -195,7 +197,6 @@ class WorkerStream:
                                               thread_name_prefix="refstream-decode")
         self.budget, self.buffers = ByteBudget(limits.byte_budget or 1), SharedBuffers()
         self.payloads: dict[int, Future[tuple[dict, dict[str, _Video]]]] = {}  # see _fetch
-        self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
@@ -205,27 +206,29 @@ class WorkerStream:
 
     def stream(self, runs: Iterator[tuple[Planner, int, int | None]],
                in_worker: bool) -> Iterator[dict]:
-        """The runs' samples, or Batches of them (``in_worker``: to be pickled)."""
+        """The runs' samples, or (``config.batched``) Batches of ``config.group`` of them
+        (``in_worker``: to be pickled)."""
         group, batched = self.config.group, self.config.batched
         shared = batched and self.config.image_transforms is None
         made = self._group(group, shared)
-        for anchor in self._anchors(runs):
-            if anchor is not None:
-                made.anchors.append(anchor)
-                if len(made.anchors) < group:
-                    continue
-            self._decode(made)
-            if len(made.anchors) == group:
-                yield from self._emit(made, batched, in_worker)
-                made = self._group(group, shared)
-        if made.anchors:  # decoded at the last run's end (None)
+        for planner, offset, stop in runs:
+            for anchor in self._anchors(planner, offset, stop):
+                if anchor is not DECODE_FIRST:
+                    made.anchors.append(anchor)
+                    if len(made.anchors) < group:
+                        continue
+                self._decode(made, planner)
+                if len(made.anchors) == group:
+                    yield from self._emit(made, batched, in_worker)
+                    made = self._group(group, shared)
+        if made.anchors:  # decoded at the last run's end
             yield from self._emit(made, batched, in_worker)
 
     def _group(self, size: int, shared: bool) -> _Group:
         """An empty group whose frames go to new tensors, or reused shared ones."""
         frames, leases = {}, {}
         for camera, (height, width) in self.frame_sizes.items():
-            shape = (size, len(self.offsets.get(camera, [0])), 3, height, width)
+            shape = (size, len(self.windows.get(camera, [0])), 3, height, width)
             if not shared:
                 frames[camera] = torch.empty(shape, dtype=self.config.dtype)
                 continue
@@ -233,29 +236,28 @@ class WorkerStream:
             leases.update({camera: lease} if lease else {})
         return _Group(frames, leases)
 
-    def _anchors(self, runs) -> Iterator[tuple[int, int] | None]:
-        """Every run's anchors in order, each after its episode's admission; None when the
-        anchors given so far must be decoded first (an admission waits for the room they free,
-        or the next run admits the same episodes again)."""
-        for self.planner, offset, stop in runs:
-            self.planner.skip(offset)
-            self.planner.drain_events()
-            anchors = self.planner.remaining if stop is None else max(0, stop - offset)
-            to_admit = deque(self.planner.resident)
-            for _ in range(anchors):
-                while to_admit:
-                    while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
-                        yield None
-                    to_admit.popleft()
-                episode, frame = next(self.planner)
-                admitted, evicted = self.planner.drain_events()
-                to_admit.extend(admitted)
-                self.drained.update(evicted)
-                self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-                yield episode, frame
-            yield None
+    def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
+        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST
+        where the anchors given so far must be decoded first: while an admission waits for the
+        room they free, and at the run's end (the next run admits the same episodes again)."""
+        planner.skip(offset)
+        planner.drain_events()
+        anchors = planner.remaining if stop is None else max(0, stop - offset)
+        to_admit = deque(planner.resident)
+        for _ in range(anchors):
+            while to_admit:
+                while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
+                    yield DECODE_FIRST
+                to_admit.popleft()
+            episode, frame = next(planner)
+            admitted, drained = planner.drain_events()
+            to_admit.extend(admitted)
+            self.drained.update(drained)
+            self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
+            yield episode, frame
+        yield DECODE_FIRST
 
-    def _decode(self, made: _Group) -> None:
+    def _decode(self, made: _Group, planner: Planner) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
         own decoders), then free the episodes they finish. Decoded frames are kept for later
         anchors in what the budget's reservations leave (SPEC §9.3)."""
@@ -278,7 +280,7 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
-        self._prefetch()  # after the group: the first waits for no frontier episode
+        self._prefetch(planner)  # after the group: the first waits for no frontier episode
 
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
@@ -286,8 +288,8 @@ class WorkerStream:
         columns, videos = self.payloads[episode].result()
         for key in self.columns + self.cameras:
             rows = frame
-            if key in self.offsets:
-                rows, pad = window_rows(self.offsets[key], frame, self.config.frame_counts[episode])
+            if key in self.windows:
+                rows, pad = window_rows(self.windows[key], frame, self.config.frame_counts[episode])
                 made.values[f"{key}_is_pad"].append(pad)
             if key in columns:
                 made.values[key].append(columns[key][rows])
@@ -310,7 +312,7 @@ class WorkerStream:
         count = len(made.anchors)
         values = {key: hf_to_torch(np.stack(v)) for key, v in made.values.items()}
         for camera, frames in made.frames.items():  # one-frame windows: LeRobot's squeeze(0)
-            values[camera] = frames[:count] if camera in self.offsets else frames[:count, 0]
+            values[camera] = frames[:count] if camera in self.windows else frames[:count, 0]
         if self.config.image_transforms is not None:
             for camera in self.cameras:
                 values[camera] = list(values[camera])
@@ -336,9 +338,10 @@ class WorkerStream:
         self._start_fetch(episode)
         return True
 
-    def _prefetch(self) -> None:
-        """Reserve and fetch frontier episodes while they fit without evicting anything."""
-        frontier = self.planner.frontier(self.config.prefetch_episodes)
+    def _prefetch(self, planner: Planner) -> None:
+        """Reserve and fetch the planner's frontier episodes while they fit without evicting
+        anything."""
+        frontier = planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
                 continue
@@ -404,7 +407,7 @@ class WorkerStream:
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.config.tolerance_s, f"episode {episode} camera {camera}")
             anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
-            requested = window_rows(self.offsets.get(camera, [0]), anchors, len(anchors))[0]
+            requested = window_rows(self.windows.get(camera, [0]), anchors, len(anchors))[0]
             served, counts = np.unique(pts[chosen][requested], return_counts=True)
             videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
                                     pts[sample_index.keyframe[samples]],
