@@ -33,7 +33,7 @@ import numpy as np
 
 from refstream.errors import ResumeError, TopologyChanged, UsageError, check_int, is_int
 from refstream.planner import STRATEGIES, Planner
-from refstream.shard import lpt_partition, rank_share, split_limits, worker_shares
+from refstream.shard import ceil_div, lpt_partition, rank_share, split_limits, worker_shares
 
 __all__ = ["TOPOLOGY", "ResumeSetup", "Segment", "ResumeState", "ResumePositions", "Delivered",
            "Course", "delivered_by", "selection_digest", "batches_per_worker", "epoch_batches",
@@ -169,7 +169,7 @@ def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int)
     check_int(batch_size, "batch_size", 1)
     if not world_worker_frames:
         raise UsageError("epoch_batches needs at least one rank")
-    return min(sum(_batches(f, batch_size) for f in rank) for rank in world_worker_frames)
+    return min(sum(ceil_div(f, batch_size) for f in rank) for rank in world_worker_frames)
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def resume_positions(
                                tuple(offset for _, offset in starts), (None,) * workers, rotation)
     # Each plan: every worker's anchors and the rank's batches in an epoch; the last repeats.
     plans = [*remainders, (worker_frames, rank_batches)]
-    limits = [[_batches(f, batch_size) for f in lengths] for lengths, _ in plans]
+    limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
     if not 1 <= per_epoch[-1] <= sum(limits[-1]):
         raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits[-1])}]")
@@ -354,8 +354,3 @@ def _check_whole_batches(samples: int, batch_size: int) -> None:
     if samples % batch_size:
         raise ResumeError(f"a resume offset of {samples} samples is not a whole number of "
                           f"batches of {batch_size}")
-
-
-def _batches(frames: int, batch_size: int) -> int:
-    """The batches a worker fills from ``frames`` anchors, the last one possibly short."""
-    return -(-frames // batch_size)

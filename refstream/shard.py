@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from refstream.errors import ShardingError, UsageError, check_at_least, is_int
 
 __all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_share",
-           "worker_shares", "split_limits"]
+           "worker_shares", "split_limits", "ceil_div"]
 
 # Episodes resident per rank when the user sets no pool size (LeRobot's streaming default).
 DEFAULT_RANK_POOL_SIZE = 32
@@ -102,6 +102,11 @@ def worker_shares(ids: Sequence[int], frames: Sequence[int], num_workers: int) -
             f"DataLoader workers; use num_workers of at most {max(1, with_frames)}"
             + (" (or a smaller world size)" if with_frames == 0 else ""))
     return shares
+
+
+def ceil_div(count: int, size: int) -> int:
+    """The parts of at most ``size`` that ``count`` fills, the last one possibly short."""
+    return -(-count // size)
 
 
 def split_limits(num_workers: int, *, pool_size: int | None, byte_budget: int | None,

@@ -46,7 +46,7 @@ from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.synth import check_frame_rate
 from refstream.windows import check_tolerance, make_windows
-from refstream.worker import Batch, WorkerStream, plan_spans
+from refstream.worker import Batch, WorkerConfig, WorkerStream, plan_spans
 
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
@@ -106,14 +106,7 @@ class StreamingDataset(IterableDataset):
         self.seed = resolve_seed(seed)
         self._seed_given = seed is not None  # else a checkpoint's seed is taken
         self.sampling_strategy = sampling_strategy
-        self.episode_pool_size = episode_pool_size
-        self.prefetch_episodes = prefetch_episodes
-        self.decode_threads = decode_threads
-        self.decoded_queue_size = decoded_queue_size
-        self.video_decoder_cache_size = video_decoder_cache_size
-        self.return_uint8 = return_uint8
         self.delta_timestamps = delta_timestamps  # as given, like LeRobotDataset's
-        self.image_transforms = image_transforms
         self.repeat = repeat
         self.batch_size = batch_size
         self.batched = batched
@@ -130,8 +123,8 @@ class StreamingDataset(IterableDataset):
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
             self._frames = [self.meta.frames(e) for e in self.episodes]
-            self.windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
-                                        feature_keys=self.meta.features)
+            windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
+                                   feature_keys=self.meta.features)
             share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
             parts = shard.lpt_partition(self.episodes, self._frames, self.world_size)
             self._most_workers = max(1, min(map(len, parts)))  # SPEC §2.2, Idle workers
@@ -143,15 +136,22 @@ class StreamingDataset(IterableDataset):
                     index = sidecar.read_record(record.path, record.size, record.identity, relpath)
                     check_frame_rate(index.pts, index.timescale, self.meta.fps, relpath)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
-            self.worker_root = pinned_root(self.root, source.identity(INFO_PATH))
-        # The rank's byte budget; None without cameras (nothing to reserve).
-        self.byte_budget = int(byte_budget_gb * GIB) if self.meta.camera_keys else None
+            worker_root = pinned_root(self.root, source.identity(INFO_PATH))
+        self.config = WorkerConfig(
+            meta=self.meta, frame_counts=dict(zip(self.episodes, self._frames, strict=True)),
+            windows=windows, tolerance_s=self.tolerance_s,
+            dtype=torch.uint8 if return_uint8 else torch.float32,
+            image_transforms=image_transforms, root=worker_root, video_index=self.video_index,
+            decode_threads=decode_threads, prefetch_episodes=prefetch_episodes,
+            group=batch_size if batched else decoded_queue_size, batched=batched,
+            pool_size=episode_pool_size, decoder_cache=video_decoder_cache_size,
+            # The rank's byte budget; None without cameras (nothing to reserve).
+            byte_budget=int(byte_budget_gb * GIB) if self.meta.camera_keys else None)
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
         meta = self.meta
         self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
-        self._frames_of = dict(zip(self.episodes, self._frames, strict=True))
-        self.rank_frames = sum(self._frames_of[e] for e in share)
+        self.rank_frames = sum(self.config.frame_counts[e] for e in share)
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
@@ -174,9 +174,9 @@ class StreamingDataset(IterableDataset):
                                self.episodes, self._frames, resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
-            stops = [sum(self._frames_of[e] for e in course.episodes_from(self.rank, w, 0))
+            stops = [sum(self.config.frame_counts[e] for e in course.episodes_from(self.rank, w, 0))
                      for w in range(course.setup.num_workers)]
-        batches = sum(-(-stop // self.batch_size) for stop in stops)
+        batches = sum(shard.ceil_div(stop, self.batch_size) for stop in stops)
         return batches if self.batched else batches * self.batch_size
 
     def __getitem__(self, index):
@@ -186,7 +186,7 @@ class StreamingDataset(IterableDataset):
     def selection_stats(self) -> dict:
         """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
         §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
-        with contextlib.closing(open_source(self.worker_root)) as source:
+        with contextlib.closing(open_source(self.config.root)) as source:
             return selection_stats(source, self.meta, self.episodes)
 
     # --- position: epochs and resume ----------------------------------------------------------
@@ -194,8 +194,7 @@ class StreamingDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
         ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise UsageError(f"epoch must be a non-negative integer, got {epoch!r}")
+        errors.check_int(epoch, "epoch", 0)
         if epoch == self._resumes_into and not int(self._position[_PASS]):
             return
         self._history, self._delivered, self._resumes_into = (), None, None
@@ -222,7 +221,8 @@ class StreamingDataset(IterableDataset):
                 f"started since end with epoch {start.epochs[0] + started - 1}. samples counts "
                 "what was consumed since construction, set_epoch or load_state_dict")
         if not (self.repeat or self._history):  # name the epoch in progress
-            epoch, base = end.epochs[0], sum(-(-a // batch_size) for a in end.offsets) * batch_size
+            epoch = end.epochs[0]
+            base = sum(shard.ceil_div(a, batch_size) for a in end.offsets) * batch_size
             samples = 0
         return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 
@@ -239,7 +239,7 @@ class StreamingDataset(IterableDataset):
         resumed = parsed.resume_with(self._setup(self.batch_size, workers))
         self._history, self._delivered = resumed.history, None
         if resumed.history:
-            _, sizes = plan_spans(self, self.episodes, MappedIndex(self.video_index))
+            _, sizes = plan_spans(self.config, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
         self._resumes_into = min(self._start(self.batch_size, workers)[1].epochs)
@@ -247,19 +247,22 @@ class StreamingDataset(IterableDataset):
     def _start(self, batch_size: int, num_workers: int
                ) -> tuple[resume.Course, resume.ResumePositions]:
         """The plans from the position on, and where each logical worker starts in them."""
-        epoch, samples, _, _, history, _ = (int(v) for v in self._position)
+        epoch, samples, _, seed, history, _ = (int(v) for v in self._position)
         delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(batch_size, num_workers), self.episodes,
+        course = resume.Course(self._setup(batch_size, num_workers, seed & MASK64), self.episodes,
                                self._frames, delivered)
         return course, course.positions(self.rank, samples)
 
-    def _setup(self, batch_size: int, num_workers: int) -> resume.ResumeSetup:
+    def _setup(self, batch_size: int, num_workers: int,
+               seed: int | None = None) -> resume.ResumeSetup:
+        """The setup of this dataset (``seed``: the position's, in a worker)."""
         if self.batch_size is not None and batch_size != self.batch_size:
             raise TopologyChanged(f"batch size {batch_size} differs from the dataset's "
                                   f"batch_size {self.batch_size}")
         return resume.ResumeSetup(
-            seed=self.seed, strategy=self.sampling_strategy, pool_size=self.episode_pool_size,
-            byte_budget=self.byte_budget, world_size=self.world_size,
+            seed=self.seed if seed is None else seed, strategy=self.sampling_strategy,
+            pool_size=self.config.pool_size, byte_budget=self.config.byte_budget,
+            world_size=self.world_size,
             num_workers=min(num_workers, self._most_workers), batch_size=batch_size,
             repeat=self.repeat, selection=resume.selection_digest(self.episodes, self._frames))
 
@@ -268,8 +271,7 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        _, _, resume_workers, seed, history, _ = (int(v) for v in self._position)
-        self.seed = seed & MASK64
+        _, _, resume_workers, _, history, _ = (int(v) for v in self._position)
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
                              "workers started: load it before the first iter(loader)")
@@ -293,20 +295,15 @@ class StreamingDataset(IterableDataset):
                 _warn_idle(num_workers, playing)
             return
         logical = (worker + positions.rotation) % playing
-        limits = shard.split_limits(
-            playing, pool_size=self.episode_pool_size, byte_budget=self.byte_budget,
-            decoder_cache=self.video_decoder_cache_size, cameras=len(self.meta.camera_keys))
+        limits = self.config.limits(playing)
         epoch, offset = positions.epochs[logical], positions.offsets[logical]
         episodes = course.episodes_from(self.rank, logical, epoch)
 
-        def runs():  # (planner, offset, stop) of each epoch the worker plays
-            for at in itertools.count(epoch) if self.repeat else [epoch]:
-                planner = self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget)
-                yield planner, offset if at == epoch else 0, positions.stops[logical]
-
-        with contextlib.closing(WorkerStream(self, episodes, limits)) as stream:
-            yield from stream.stream(runs(), self.batch_size if self.batched
-                                     else self.decoded_queue_size, self.batched, info is not None)
+        with contextlib.closing(WorkerStream(self.config, episodes, limits)) as stream:
+            runs = ((self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget),
+                     offset if at == epoch else 0, positions.stops[logical])
+                    for at in (itertools.count(epoch) if self.repeat else [epoch]))
+            yield from stream.stream(runs, in_worker=info is not None)
 
     def _enter(self, info) -> int:
         """How many iterators started before this one since the position was set; the workers
@@ -325,9 +322,10 @@ class StreamingDataset(IterableDataset):
         try:
             return course.planner(self.rank, logical, epoch, byte_sizes)
         except EpisodeTooLarge as exc:
-            workers, need = course.setup.num_workers, max(byte_sizes.values())
+            workers, gib = course.setup.num_workers, course.setup.byte_budget / GIB
+            need = max(byte_sizes.values())
             raise EpisodeTooLarge(f"{exc}: each of the {workers} DataLoader worker(s) gets "
-                                  f"byte_budget_gb={self.byte_budget / GIB:.4g} / {workers} = "
+                                  f"byte_budget_gb={gib:.4g} / {workers} = "
                                   f"{worker_budget:,} bytes; raise byte_budget_gb to at least "
                                   f"{need * workers / GIB:.4g} or use fewer workers") from exc
 

@@ -1,14 +1,16 @@
 """One DataLoader worker's stream: its share's samples, or ready batches, in planner order
 (SPEC §9.2, §9.3). ``StreamingDataset`` runs, in each worker::
 
-    with contextlib.closing(WorkerStream(dataset, share, limits)) as worker:  # plans spans
-        yield from worker.stream(runs, group=B, batched=True, in_worker=True)
+    with contextlib.closing(WorkerStream(config, share, limits)) as worker:  # plans spans
+        yield from worker.stream(runs, in_worker=True)
 
-``runs`` gives ``(planner, offset, stop)`` per epoch. Fetch threads fetch each admitted episode:
-its rows and, per camera, its span made a mini-MP4 and the frame serving each row. Samples are
-made ``group`` at a time, their frames decoded by the decode threads into the group's tensors.
-A ready :class:`Batch`'s camera tensors are shared memory (:class:`SharedBuffers`): they cross
-to the training process as handles and are written again once that process dropped them.
+``config`` (a :class:`WorkerConfig`) is all a worker knows of the dataset: made once in the main
+process, it is pickled to the workers. ``runs`` gives ``(planner, offset, stop)`` per epoch.
+Fetch threads fetch each admitted episode: its rows and, per camera, its span made a mini-MP4 and
+the frame serving each row. Samples are made ``config.group`` at a time, their frames decoded by
+the decode threads into the group's tensors. A ready :class:`Batch`'s camera tensors are shared
+memory (:class:`SharedBuffers`): they cross to the training process as handles and are written
+again once that process dropped them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,19 +26,19 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from refstream import shard, synth
+from refstream import shard, sidecar, synth
 from refstream.budget import ByteBudget
 from refstream.decode import DecoderCache, select_frames
 from refstream.errors import FetchError, TableError
-from refstream.meta import column_array
+from refstream.meta import DatasetMeta, column_array
 from refstream.mp4 import SampleIndex
 from refstream.planner import Planner
-from refstream.sidecar import MappedIndex
+from refstream.sidecar import MappedIndex, VideoIndex
 from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 
-__all__ = ["WorkerStream", "Batch", "SharedBuffers", "plan_spans", "hf_to_torch"]
+__all__ = ["WorkerConfig", "WorkerStream", "Batch", "SharedBuffers", "plan_spans", "hf_to_torch"]
 
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
@@ -47,6 +49,35 @@ MAX_SHARED_BUFFERS = 1024
 # Tensors up to this size travel inside a batch's pickle, the rest as shared memory: for the
 # small ones (indices, actions, masks) that is cheaper than a file and a descriptor each.
 INLINE_BYTES = 1 << 20
+# What WorkerStream._anchors yields where the anchors it gave so far must be decoded first.
+DECODE_FIRST = None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker reads of the dataset: its selection, sample layout and settings."""
+
+    meta: DatasetMeta
+    frame_counts: Mapping[int, int]  # selected episode -> its frame count
+    windows: Mapping[str, np.ndarray]  # key -> frame offsets of its window (refstream.windows)
+    tolerance_s: float
+    dtype: torch.dtype  # of camera tensors
+    image_transforms: Callable | None
+    root: str  # opened by each worker: a Hub branch pinned to the commit the metadata came from
+    video_index: VideoIndex | None  # None without cameras
+    decode_threads: int
+    prefetch_episodes: int
+    group: int  # samples made and decoded together: a batch when batched
+    batched: bool
+    pool_size: int | None  # per worker, the per-rank limits below (see limits)
+    byte_budget: int | None
+    decoder_cache: int | None
+
+    def limits(self, num_workers: int) -> shard.WorkerLimits:
+        """One of ``num_workers`` workers' limits (SPEC §2.3)."""
+        return shard.split_limits(num_workers, pool_size=self.pool_size,
+                                  byte_budget=self.byte_budget, decoder_cache=self.decoder_cache,
+                                  cameras=len(self.meta.camera_keys))
 
 
 @dataclass(frozen=True)
@@ -128,11 +159,11 @@ class SharedBuffers:
         return tensor, (self.flags, cell)
 
 
-def plan_spans(dataset, episodes: Sequence[int],
+def plan_spans(config: WorkerConfig, episodes: Sequence[int],
                index: Mapping[str, SampleIndex]) -> tuple[dict[int, dict], dict[int, int]]:
     """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
     exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
-    spans = {e: synth.episode_spans(dataset.meta, e, index, dataset.tolerance_s)
+    spans = {e: synth.episode_spans(config.meta, e, index, config.tolerance_s)
              for e in episodes}
     return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
                    for e in episodes}
@@ -141,94 +172,92 @@ def plan_spans(dataset, episodes: Sequence[int],
 class WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
 
-    def __init__(self, dataset, share: list[int], limits: shard.WorkerLimits) -> None:
-        self.ds, self.meta = dataset, dataset.meta
+    def __init__(self, config: WorkerConfig, share: list[int], limits: shard.WorkerLimits) -> None:
+        self.config, self.meta = config, config.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
-        self.offsets = dataset.windows
+        self.windows = config.windows
         # A sample's keys in the order of LeRobot's items: cameras, columns, pad masks, task.
-        self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.offsets),
+        self.keys = [*self.cameras, *self.columns, *(f"{key}_is_pad" for key in self.windows),
                      "task"]
-        self.torch_dtype = torch.uint8 if dataset.return_uint8 else torch.float32
         # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
         # nothing, and one path reserves, fetches and frees.
-        self.index = MappedIndex(dataset.video_index)
-        self.spans, self.byte_sizes = plan_spans(dataset, share, self.index)
+        self.index = MappedIndex(config.video_index)
+        self.spans, self.byte_sizes = plan_spans(config, share, self.index)
         self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
                             for camera, (index, _) in self.spans[share[0]].items()}
-        self.source = open_source(dataset.worker_root)
+        self.source = open_source(config.root)
         self.footers = Footers()
-        threads = dataset.decode_threads  # each with its own decoders; the yielding one too
-        self.decoders = [DecoderCache(max(1, -(-limits.decoder_cache // threads)))
+        threads = config.decode_threads  # each with its own decoders; the yielding one too
+        self.decoders = [DecoderCache(max(1, shard.ceil_div(limits.decoder_cache, threads)))
                          for _ in range(threads)]
         self.fetch_pool = ThreadPoolExecutor(  # threads start when used
-            max(1, min(MAX_FETCH_THREADS, limits.pool_size + dataset.prefetch_episodes)),
+            max(1, min(MAX_FETCH_THREADS, limits.pool_size + config.prefetch_episodes)),
             thread_name_prefix="refstream-fetch")
         self.decode_pool = ThreadPoolExecutor(max(1, threads - 1),
                                               thread_name_prefix="refstream-decode")
         self.budget, self.buffers = ByteBudget(limits.byte_budget or 1), SharedBuffers()
         self.payloads: dict[int, Future[tuple[dict, dict[str, _Video]]]] = {}  # see _fetch
-        self.planner: Planner | None = None
         self.in_flight: dict[int, int] = {}  # episode -> anchors taken, not yet decoded
         self.drained: set[int] = set()  # drained by the planner, anchors still in flight
         if self.cameras:  # payloads must come from the files as indexed (else PayloadChanged)
-            for relpath, record in dataset.video_index.records.items():
-                if record.identity:
-                    self.source.expect_identity(relpath, record.identity)
+            sidecar.pin_identities(self.source, config.video_index.records)
 
     # --- the loop -----------------------------------------------------------------------------
 
-    def stream(self, runs: Iterator[tuple[Planner, int, int | None]], group: int, batched: bool,
+    def stream(self, runs: Iterator[tuple[Planner, int, int | None]],
                in_worker: bool) -> Iterator[dict]:
-        """The runs' samples, or Batches of ``group`` of them (``in_worker``: to be pickled)."""
-        shared = batched and self.ds.image_transforms is None
+        """The runs' samples, or (``config.batched``) Batches of ``config.group`` of them
+        (``in_worker``: to be pickled)."""
+        group, batched = self.config.group, self.config.batched
+        shared = batched and self.config.image_transforms is None
         made = self._group(group, shared)
-        for anchor in self._anchors(runs):
-            if anchor is not None:
-                made.anchors.append(anchor)
-                if len(made.anchors) < group:
-                    continue
-            self._decode(made)
-            if len(made.anchors) == group:
-                yield from self._emit(made, batched, in_worker)
-                made = self._group(group, shared)
-        if made.anchors:  # decoded at the last run's end (None)
+        for planner, offset, stop in runs:
+            for anchor in self._anchors(planner, offset, stop):
+                if anchor is not DECODE_FIRST:
+                    made.anchors.append(anchor)
+                    if len(made.anchors) < group:
+                        continue
+                self._decode(made, planner)
+                if len(made.anchors) == group:
+                    yield from self._emit(made, batched, in_worker)
+                    made = self._group(group, shared)
+        if made.anchors:  # decoded at the last run's end
             yield from self._emit(made, batched, in_worker)
 
     def _group(self, size: int, shared: bool) -> _Group:
         """An empty group whose frames go to new tensors, or reused shared ones."""
         frames, leases = {}, {}
         for camera, (height, width) in self.frame_sizes.items():
-            shape = (size, len(self.offsets.get(camera, [0])), 3, height, width)
+            shape = (size, len(self.windows.get(camera, [0])), 3, height, width)
             if not shared:
-                frames[camera] = torch.empty(shape, dtype=self.torch_dtype)
+                frames[camera] = torch.empty(shape, dtype=self.config.dtype)
                 continue
-            frames[camera], lease = self.buffers.take(shape, self.torch_dtype)
+            frames[camera], lease = self.buffers.take(shape, self.config.dtype)
             leases.update({camera: lease} if lease else {})
         return _Group(frames, leases)
 
-    def _anchors(self, runs) -> Iterator[tuple[int, int] | None]:
-        """Every run's anchors in order, each after its episode's admission; None when the
-        anchors given so far must be decoded first (an admission waits for the room they free,
-        or the next run admits the same episodes again)."""
-        for self.planner, offset, stop in runs:
-            self.planner.skip(offset)
-            self.planner.drain_events()
-            anchors = self.planner.remaining if stop is None else max(0, stop - offset)
-            to_admit = deque(self.planner.resident)
-            for _ in range(anchors):
-                while to_admit:
-                    while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
-                        yield None
-                    to_admit.popleft()
-                episode, frame = next(self.planner)
-                admitted, evicted = self.planner.drain_events()
-                to_admit.extend(admitted)
-                self.drained.update(evicted)
-                self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-                yield episode, frame
-            yield None
+    def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
+        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST
+        where the anchors given so far must be decoded first: while an admission waits for the
+        room they free, and at the run's end (the next run admits the same episodes again)."""
+        planner.skip(offset)
+        planner.drain_events()
+        anchors = planner.remaining if stop is None else max(0, stop - offset)
+        to_admit = deque(planner.resident)
+        for _ in range(anchors):
+            while to_admit:
+                while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
+                    yield DECODE_FIRST
+                to_admit.popleft()
+            episode, frame = next(planner)
+            admitted, drained = planner.drain_events()
+            to_admit.extend(admitted)
+            self.drained.update(drained)
+            self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
+            yield episode, frame
+        yield DECODE_FIRST
 
-    def _decode(self, made: _Group) -> None:
+    def _decode(self, made: _Group, planner: Planner) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its
         own decoders), then free the episodes they finish. Decoded frames are kept for later
         anchors in what the budget's reservations leave (SPEC §9.3)."""
@@ -251,7 +280,7 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
-        self._prefetch()  # after the group: the first waits for no frontier episode
+        self._prefetch(planner)  # after the group: the first waits for no frontier episode
 
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
@@ -259,8 +288,8 @@ class WorkerStream:
         columns, videos = self.payloads[episode].result()
         for key in self.columns + self.cameras:
             rows = frame
-            if key in self.offsets:
-                rows, pad = window_rows(self.offsets[key], frame, self.ds._frames_of[episode])
+            if key in self.windows:
+                rows, pad = window_rows(self.windows[key], frame, self.config.frame_counts[episode])
                 made.values[f"{key}_is_pad"].append(pad)
             if key in columns:
                 made.values[key].append(columns[key][rows])
@@ -283,12 +312,12 @@ class WorkerStream:
         count = len(made.anchors)
         values = {key: hf_to_torch(np.stack(v)) for key, v in made.values.items()}
         for camera, frames in made.frames.items():  # one-frame windows: LeRobot's squeeze(0)
-            values[camera] = frames[:count] if camera in self.offsets else frames[:count, 0]
-        if self.ds.image_transforms is not None:
+            values[camera] = frames[:count] if camera in self.windows else frames[:count, 0]
+        if self.config.image_transforms is not None:
             for camera in self.cameras:
                 values[camera] = list(values[camera])
             for i, camera in itertools.product(range(count), self.cameras):  # LeRobot's call order
-                values[camera][i] = self.ds.image_transforms(values[camera][i])
+                values[camera][i] = self.config.image_transforms(values[camera][i])
         if not batched:
             for i in range(count):
                 yield {key: values[key][i] for key in self.keys}
@@ -309,9 +338,10 @@ class WorkerStream:
         self._start_fetch(episode)
         return True
 
-    def _prefetch(self) -> None:
-        """Reserve and fetch frontier episodes while they fit without evicting anything."""
-        frontier = self.planner.frontier(self.ds.prefetch_episodes)
+    def _prefetch(self, planner: Planner) -> None:
+        """Reserve and fetch the planner's frontier episodes while they fit without evicting
+        anything."""
+        frontier = planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
                 continue
@@ -342,7 +372,7 @@ class WorkerStream:
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
-                self.source, relpath, episode, self.ds._frames_of[episode], self.columns,
+                self.source, relpath, episode, self.config.frame_counts[episode], self.columns,
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
@@ -356,7 +386,7 @@ class WorkerStream:
     def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
         """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
         need no sample outside the span the budget was sized from."""
-        exact = synth.episode_spans(self.meta, episode, self.index, self.ds.tolerance_s,
+        exact = synth.episode_spans(self.meta, episode, self.index, self.config.tolerance_s,
                                     timestamps)
         videos = {}
         for camera, (sample_index, span) in self.spans[episode].items():
@@ -375,9 +405,9 @@ class WorkerStream:
             pts = sample_index.pts[samples].astype(np.int64)
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
-                                   self.ds.tolerance_s, f"episode {episode} camera {camera}")
+                                   self.config.tolerance_s, f"episode {episode} camera {camera}")
             anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
-            requested = window_rows(self.offsets.get(camera, [0]), anchors, len(anchors))[0]
+            requested = window_rows(self.windows.get(camera, [0]), anchors, len(anchors))[0]
             served, counts = np.unique(pts[chosen][requested], return_counts=True)
             videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
                                     pts[sample_index.keyframe[samples]],

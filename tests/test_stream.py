@@ -432,7 +432,7 @@ def test_len_of_a_distributed_epoch_needs_the_worker_count(resume_root):
 
 def test_an_episode_over_a_workers_share_of_the_budget_says_what_to_change(resume_root):
     probe = StreamingDataset(resume_root)
-    _, sizes = plan_spans(probe, probe.episodes, MappedIndex(probe.video_index))
+    _, sizes = plan_spans(probe.config, probe.episodes, MappedIndex(probe.video_index))
     largest = max(sizes.values())
     budget_gb = 1.5 * largest / GIB  # holds every episode, but half of it does not
     one = DataLoader(StreamingDataset(resume_root, byte_budget_gb=budget_gb), batch_size=4)

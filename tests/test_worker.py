@@ -1,0 +1,123 @@
+"""One worker's stream (``refstream.worker.WorkerStream``) on its own, driven by its planners.
+
+Its configuration is the one ``StreamingDataset`` makes, sent through pickle as to a DataLoader
+worker. Oracles: a brute-force list of every (episode, frame) of the share, the same planner's
+anchors played on their own, the frame labels drawn in the demo videos, and the samples the
+dataset itself yields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from refstream.planner import Planner
+from refstream.stream import StreamingDataset
+from refstream.tools.demo import read_frame_label, write_demo_dataset
+from refstream.worker import WorkerConfig, WorkerStream
+
+FPS = 30
+LENGTHS = (5, 8, 3, 7, 6, 4, 9)
+CAMERAS = ("observation.images.front", "observation.images.wrist")
+WINDOWS = {CAMERAS[0]: [-2 / FPS, 0.0], "action": [0.0, 1 / FPS]}
+SHARE = [0, 2, 3, 5, 6]
+
+
+@pytest.fixture(autouse=True)
+def _sidecar_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("worker")
+    write_demo_dataset(root, episode_lengths=LENGTHS, cameras=CAMERAS, size=(32, 24),
+                       episodes_per_video_file=3, episodes_per_data_file=2)
+    return root
+
+
+def _config(root, **changes) -> WorkerConfig:
+    dataset = StreamingDataset(root, delta_timestamps=WINDOWS, return_uint8=True, seed=3)
+    config = pickle.loads(pickle.dumps(dataset.config))  # as a DataLoader worker receives it
+    return dataclasses.replace(config, **changes)
+
+
+def _planner(byte_sizes: dict[int, int], budget: int, epoch: int = 0):
+    return Planner(SHARE, [LENGTHS[e] for e in SHARE], seed=3, epoch=epoch, rank=0, worker=1,
+                   pool_size=2, byte_sizes=[byte_sizes[e] for e in SHARE], byte_budget=budget)
+
+
+def _play(config: WorkerConfig, runs: list[tuple[int, int, int | None]]) -> tuple[list, list]:
+    """The worker's samples over ``runs`` of (epoch, offset, stop), and the anchors the same
+    planners give on their own."""
+    limits = config.limits(2)
+    with contextlib.closing(WorkerStream(config, SHARE, limits)) as stream:
+        sizes, budget = stream.byte_sizes, limits.byte_budget
+        plans = [(_planner(sizes, budget, epoch), offset, stop)
+                 for epoch, offset, stop in runs]
+        samples = list(stream.stream(iter(plans), in_worker=False))
+    expected = []
+    for epoch, offset, stop in runs:
+        anchors = list(_planner(sizes, budget, epoch))
+        expected += anchors[offset:stop]
+    return samples, expected
+
+
+def _anchor(sample: dict) -> tuple[int, int]:
+    return int(sample["episode_index"]), int(sample["frame_index"])
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_a_worker_yields_each_anchor_of_its_share_once_in_its_planners_order(root, group):
+    config = _config(root, group=group)
+    samples, expected = _play(config, [(0, 0, None)])
+    every = sorted((e, f) for e in SHARE for f in range(LENGTHS[e]))  # brute force
+    assert sorted(map(_anchor, samples)) == every
+    assert [_anchor(s) for s in samples] == expected
+    for sample in samples:
+        episode, frame = _anchor(sample)
+        wanted = np.clip(frame + np.array([-2, 0]), 0, LENGTHS[episode] - 1)
+        assert [read_frame_label(f.numpy()) for f in sample[CAMERAS[0]]] == [
+            (episode, int(f)) for f in wanted]
+        assert read_frame_label(sample[CAMERAS[1]].numpy()) == (episode, frame)
+        assert sample[f"{CAMERAS[0]}_is_pad"].tolist() == [frame < 2, False]
+
+
+def test_a_worker_plays_each_run_from_its_offset_to_its_stop(root):
+    # As StreamingDataset runs it: epochs in turn (repeat), the first from a resume offset; or
+    # one epoch up to the stop that ends a finite distributed epoch.
+    total = sum(LENGTHS[e] for e in SHARE)
+    for runs, count in [([(0, 5, None), (1, 0, None)], 2 * total - 5), ([(2, 9, 20)], 11)]:
+        samples, expected = _play(_config(root, group=4), runs)
+        assert [_anchor(s) for s in samples] == expected
+        assert len(expected) == count
+
+
+def test_a_workers_samples_and_batches_equal_the_datasets(root):
+    dataset = StreamingDataset(root, delta_timestamps=WINDOWS, return_uint8=True, seed=3)
+    items = {_anchor(item): item for item in dataset}
+    samples, _ = _play(_config(root), [(0, 0, None)])
+    assert len(samples) == sum(LENGTHS[e] for e in SHARE)
+    for sample in samples:
+        item = items[_anchor(sample)]
+        assert list(sample) == list(item)
+        for key, value in item.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(sample[key], value), key
+            else:
+                assert sample[key] == value, key
+    batches, _ = _play(_config(root, group=4, batched=True), [(0, 0, None)])
+    assert [len(b["index"]) for b in batches] == [4] * 7
+    for at, batch in enumerate(batches):
+        for key in batch:
+            stacked = samples[4 * at:4 * at + 4]
+            if isinstance(batch[key], torch.Tensor):
+                assert torch.equal(batch[key], torch.stack([s[key] for s in stacked])), key
+            else:
+                assert batch[key] == [s[key] for s in stacked], key
