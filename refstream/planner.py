@@ -27,7 +27,8 @@ from itertools import accumulate, islice
 
 import numpy as np
 
-from refstream.errors import EpisodeTooLarge, UsageError, check_at_least
+from refstream.budget import check_episode_size, fits
+from refstream.errors import UsageError, check_at_least
 from refstream.rng import below_unchecked, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
@@ -151,8 +152,8 @@ class Planner:
     def _admit(self) -> None:
         """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
         while len(self._left) < self._pool_size and self._pending:
-            room = self._budget - self._used
-            episode = next((e for e in self._pending if self._sizes[e] <= room), None)
+            episode = next((e for e in self._pending
+                            if fits(self._used, self._sizes[e], self._budget)), None)
             if episode is None:
                 return  # wait for an eviction to free bytes
             self._pending.remove(episode)
@@ -181,7 +182,6 @@ def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int]:
     check_at_least(1, byte_budget=byte_budget)
     ids = check_episodes(episodes, byte_sizes, "byte sizes")
     for episode, count, size in zip(ids, frames, byte_sizes, strict=True):
-        if count > 0 and size > byte_budget:
-            raise EpisodeTooLarge(f"episode {episode} needs {size} bytes, more than the whole "
-                                  f"byte budget of {byte_budget} bytes")
+        if count > 0:
+            check_episode_size(episode, size, byte_budget)
     return {episode: int(size) for episode, size in zip(ids, byte_sizes, strict=True)}

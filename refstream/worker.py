@@ -340,20 +340,17 @@ class WorkerStream:
 
     def _prefetch(self, planner: Planner) -> None:
         """Reserve and fetch the planner's frontier episodes while they fit without evicting
-        anything."""
+        anything (SPEC §9.3)."""
         frontier = planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
                 continue
-            if self.budget.reserved_bytes + self.byte_sizes[episode] > self.budget.budget_bytes:
+            if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the frontier's order, retry after the next release
-            self.budget.try_reserve(episode, self.byte_sizes[episode])
             self._start_fetch(episode)
-        # The budget evicts least recently used first: touch the frontier from its far end so
-        # an admission that must evict drops the prefetch needed last, not next.
-        for episode in reversed(frontier):
-            if self.budget.is_reserved(episode):
-                self.budget.try_reserve(episode, self.byte_sizes[episode])
+        # An admission that must evict drops the least recently used prefetch: touched from the
+        # frontier's far end, that is the one needed last.
+        self.budget.touch(reversed(frontier))
 
     def _start_fetch(self, episode: int) -> None:
         """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
