@@ -69,15 +69,9 @@ class WorkerConfig:
     prefetch_episodes: int
     group: int  # samples made and decoded together: a batch when batched
     batched: bool
-    pool_size: int | None  # per worker, the per-rank limits below (see limits)
+    pool_size: int | None  # per worker; the two below per rank (SPEC §2.3)
     byte_budget: int | None
     decoder_cache: int | None
-
-    def limits(self, num_workers: int) -> shard.WorkerLimits:
-        """One of ``num_workers`` workers' limits (SPEC §2.3)."""
-        return shard.split_limits(num_workers, pool_size=self.pool_size,
-                                  byte_budget=self.byte_budget, decoder_cache=self.decoder_cache,
-                                  cameras=len(self.meta.camera_keys))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from refstream.planner import Planner
+from refstream.shard import split_limits
 from refstream.stream import StreamingDataset
 from refstream.tools.demo import read_frame_label, write_demo_dataset
 from refstream.worker import WorkerConfig, WorkerStream
@@ -56,7 +57,8 @@ def _planner(byte_sizes: dict[int, int], budget: int, epoch: int = 0):
 def _play(config: WorkerConfig, runs: list[tuple[int, int, int | None]]) -> tuple[list, list]:
     """The worker's samples over ``runs`` of (epoch, offset, stop), and the anchors the same
     planners give on their own."""
-    limits = config.limits(2)
+    limits = split_limits(2, pool_size=config.pool_size, byte_budget=config.byte_budget,
+                          decoder_cache=config.decoder_cache, cameras=len(CAMERAS))
     with contextlib.closing(WorkerStream(config, SHARE, limits)) as stream:
         sizes, budget = stream.byte_sizes, limits.byte_budget
         plans = [(_planner(sizes, budget, epoch), offset, stop)
