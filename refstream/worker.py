@@ -240,7 +240,7 @@ class WorkerStream:
         to_admit = deque(planner.resident)
         for _ in range(anchors):
             while to_admit:
-                while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
+                while not self._admit(to_admit[0], planner, wait=not any(self.in_flight.values())):
                     yield DECODE_FIRST
                 to_admit.popleft()
             episode, frame = next(planner)
@@ -322,14 +322,14 @@ class WorkerStream:
 
     # --- admission, prefetch and release ------------------------------------------------------
 
-    def _admit(self, episode: int, wait: bool) -> bool:
+    def _admit(self, episode: int, planner: Planner, wait: bool) -> bool:
         """Reserve ``episode`` and start its fetch; False if it must wait (only if not ``wait``)."""
         timeout_s = None if wait else 0
         if not self.budget.acquire(episode, self.byte_sizes[episode], timeout_s=timeout_s):
             return False
         for evicted in self.budget.take_evicted():
             self._discard(evicted)
-        self._start_fetch(episode)
+        self._start_fetch(episode, planner)
         return True
 
     def _prefetch(self, planner: Planner) -> None:
@@ -341,15 +341,16 @@ class WorkerStream:
                 continue
             if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the frontier's order, retry after the next release
-            self._start_fetch(episode)
+            self._start_fetch(episode, planner)
         # An admission that must evict drops the least recently used prefetch: touched from the
         # frontier's far end, that is the one needed last.
         self.budget.touch(reversed(frontier))
 
-    def _start_fetch(self, episode: int) -> None:
+    def _start_fetch(self, episode: int, planner: Planner) -> None:
         """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
         if self.budget.claim_fetch(episode):
-            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
+            anchors = np.array(planner.frames_to_come(episode), dtype=np.int64)
+            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode, anchors)
 
     def _discard(self, episode: int) -> None:
         self.payloads.pop(episode, None)
@@ -358,8 +359,10 @@ class WorkerStream:
 
     # --- fetch threads ------------------------------------------------------------------------
 
-    def _fetch(self, episode: int) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
-        """An episode's rows (Parquet column -> one value per frame) and videos (by camera)."""
+    def _fetch(self, episode: int, anchors: np.ndarray
+               ) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
+        """An episode's rows (Parquet column -> one value per frame) and videos (by camera) for
+        its ``anchors`` still to come."""
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
@@ -367,14 +370,16 @@ class WorkerStream:
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
-            return rows, (self._videos(episode, rows["timestamp"]) if self.cameras else {})
+            videos = self._videos(episode, rows["timestamp"], anchors) if self.cameras else {}
+            return rows, videos
         except FetchError as exc:
             # The source names the URL and byte range; only here is the episode known.
             raise type(exc)(f"episode {episode}: {exc}") from exc
         finally:
             self.budget.mark_fetched(episode)
 
-    def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
+    def _videos(self, episode: int, timestamps: np.ndarray,
+                anchors: np.ndarray) -> dict[str, _Video]:
         """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
         need no sample outside the span the budget was sized from."""
         exact = synth.episode_spans(self.meta, episode, self.index, self.config.tolerance_s,
@@ -397,8 +402,7 @@ class WorkerStream:
             chosen = select_frames(pts, sample_index.timescale,
                                    synth.request_times_s(self.meta, episode, camera, timestamps),
                                    self.config.tolerance_s, f"episode {episode} camera {camera}")
-            anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
-            requested = window_rows(self.windows.get(camera, [0]), anchors, len(anchors))[0]
+            requested = window_rows(self.windows.get(camera, [0]), anchors, len(timestamps))[0]
             served, counts = np.unique(pts[chosen][requested], return_counts=True)
             videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
                                     pts[sample_index.keyframe[samples]],
