@@ -202,7 +202,9 @@ def resume_positions(
                         worker_frames[w]) for w, count in enumerate(counts)]
         return ResumePositions(tuple(epoch + passed for passed, _ in starts),
                                tuple(offset for _, offset in starts), (None,) * workers, rotation)
-    # Each plan: every worker's anchors and the rank's batches in an epoch; the last repeats.
+    # One plan per epoch from ``epoch`` on: each worker's anchors and the rank's batch count.
+    # The rests of the epochs in progress come first; the ordinary plan, last, holds for every
+    # later epoch.
     plans = [*remainders, (worker_frames, rank_batches)]
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]

@@ -19,6 +19,12 @@ B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` befor
 ``iter(loader)`` continues from it, also with another world size, worker count or batch size.
 Distributed runs: SPEC §9.5. ``__init__`` (the main process) reads the metadata and makes sure
 the sidecar index exists; the position lives in shared memory, so persistent workers see it.
+
+Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, so that a
+DataLoader batching ready batches raises UsageError instead of stacking them into wrong ones.
+torch documents that map as the way to extend ``default_collate`` but exports it only from the
+private ``torch.utils.data._utils.collate``: if torch moves it, this import fails; if torch stops
+reading it, ``tests/test_batches.py::test_a_dataloader_batching_ready_batches_is_refused`` fails.
 """
 
 
@@ -51,10 +57,11 @@ from refstream.worker import Batch, WorkerConfig, WorkerStream, plan_spans
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
-# Layout of the shared position tensor (int64): where every new iterator starts, for how many
-# DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
-# earlier topologies it resumes after (0: none); then the last iterator started since it was
-# set and their count in its _LOW bits (0: none; see _enter).
+# The position, a shared int64 tensor of six words: the epoch and samples every new iterator
+# starts from; the DataLoader worker count a loaded checkpoint is for (0: any); the seed's 64
+# bits; the digest of the earlier topologies the checkpoint resumes after (0: none); and the
+# iterators started since the position was set: the last one's key in the high 32 bits of _PASS,
+# their count in its low 32 bits (_LOW).
 _EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
 _LOW = (1 << 32) - 1
 
@@ -64,9 +71,7 @@ def _refuse_batches(batch, *, collate_fn_map=None):
                      "batch_size=None, or let the DataLoader batch samples without batched")
 
 
-# The DataLoader's default collation (torch documents extending it through this map) refuses
-# batches of ready batches, which would otherwise stack silently into wrong ones.
-default_collate_fn_map[Batch] = _refuse_batches
+default_collate_fn_map[Batch] = _refuse_batches  # see the module docstring
 
 
 class StreamingDataset(IterableDataset):
@@ -310,13 +315,14 @@ class StreamingDataset(IterableDataset):
             f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"))
 
     def _enter(self, info) -> int:
-        """How many iterators started before this one since the position was set; the workers
-        of one DataLoader iterator share its base seed and (persistent) their iterator count."""
+        """How many iterators started before this one since the position was set. Every worker
+        of one DataLoader iterator computes the same key (from the iterator's base seed and, for
+        persistent workers, their own iterator count); the first to arrive counts the iterator."""
         self._iterators += 1
         base = os.getpid() if info is None else info.seed - info.id
-        key = hash((base, self._iterators)) % (1 << 30) + 1
+        key = hash((base, self._iterators)) % (1 << 30) + 1  # never 0, the word's initial key
         word = int(self._position[_PASS])
-        if word >> 32 == key:
+        if word >> 32 == key:  # another worker of this iterator counted it
             return (word & _LOW) - 1
         self._position[_PASS] = key << 32 | (word & _LOW) + 1
         return word & _LOW
