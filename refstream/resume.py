@@ -195,28 +195,38 @@ def resume_positions(
     _check_whole_batches(samples, batch_size)
     if not worker_frames or min(worker_frames) < 1:
         raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
-    workers = len(worker_frames)
-    if repeat:
-        counts, rotation = batches_per_worker(samples // batch_size, [None] * workers)
-        starts = [_walk(count * batch_size, [lengths[w] for lengths, _ in remainders],
-                        worker_frames[w]) for w, count in enumerate(counts)]
-        return ResumePositions(tuple(epoch + passed for passed, _ in starts),
-                               tuple(offset for _, offset in starts), (None,) * workers, rotation)
-    # One plan per epoch from ``epoch`` on: each worker's anchors and the rank's batch count.
-    # The rests of the epochs in progress come first; the ordinary plan, last, holds for every
-    # later epoch.
+    # One plan per epoch from ``epoch`` on: each worker's anchors and the rank's batches. The
+    # rests of the epochs in progress come first; the ordinary plan, last, holds for every later
+    # epoch.
     plans = [*remainders, (worker_frames, rank_batches)]
+    place = _endless_positions if repeat else _finite_positions
+    return place(plans, batch_size, epoch, samples // batch_size)
+
+
+def _endless_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
+    """With repeat, each worker goes on through its own plans after its turns of ``batches``."""
+    *rests, (frames, _) = plans
+    counts, rotation = batches_per_worker(batches, [None] * len(frames))
+    starts = [_walk(count * batch_size, [lengths[w] for lengths, _ in rests], frames[w])
+              for w, count in enumerate(counts)]
+    return ResumePositions(tuple(epoch + passed for passed, _ in starts),
+                           tuple(offset for _, offset in starts), (None,) * len(frames), rotation)
+
+
+def _finite_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
+    """Without repeat, the rank passes whole epochs of batches; its workers take turns in the
+    epoch reached, each stopping where its turns in that epoch end."""
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
     if not 1 <= per_epoch[-1] <= sum(limits[-1]):
-        raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits[-1])}]")
-    passed, batches = _walk(samples // batch_size, per_epoch[:-1], per_epoch[-1])
-    plan = min(passed, len(remainders))
+        raise UsageError(f"rank_batches {per_epoch[-1]} is not in [1, {sum(limits[-1])}]")
+    passed, batches = _walk(batches, per_epoch[:-1], per_epoch[-1])
+    plan = min(passed, len(plans) - 1)
     counts, rotation = batches_per_worker(batches, limits[plan])
     ends, _ = batches_per_worker(per_epoch[plan], limits[plan])
     frames = plans[plan][0]
     return ResumePositions(
-        epochs=(epoch + passed,) * workers,
+        epochs=(epoch + passed,) * len(frames),
         offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, frames, strict=True)),
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, frames, strict=True)),
         rotation=rotation)
