@@ -98,6 +98,7 @@ class StreamingDataset(IterableDataset):
                  num_workers: int | None = None,
                  sidecar_lock_timeout_s: float | None = None) -> None:
         super().__init__()
+        # 1. The arguments, checked and kept.
         _check_settings(sampling_strategy, byte_budget_gb, batch_size, batched,
                         prefetch_episodes=prefetch_episodes, num_workers=num_workers,
                         decode_threads=decode_threads, decoded_queue_size=decoded_queue_size)
@@ -117,6 +118,7 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"world_size {self.world_size} without repeat: pass batch_size so "
                              "every rank stops after the same number of batches, or repeat=True")
 
+        # 2. I/O: the metadata, the selection and its shares, the video index (SPEC §9.2).
         with contextlib.closing(open_source(self.root)) as source:
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
@@ -127,6 +129,7 @@ class StreamingDataset(IterableDataset):
             self.video_index = _video_index(source, self.meta, self.sidecar_lock_timeout_s)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             worker_root = pinned_root(self.root, source.identity(INFO_PATH))
+        # 3. What every worker receives, then what the dataset is and where it starts.
         self.config = WorkerConfig(
             meta=self.meta, frame_counts=dict(zip(self.episodes, self._frames, strict=True)),
             windows=windows, tolerance_s=self.tolerance_s,
