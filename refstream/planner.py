@@ -130,7 +130,8 @@ class Planner:
         return self._orders[episode]
 
     def skip(self, n: int) -> None:
-        """The state after ``n`` more anchors, events included, without their frames (§3.4)."""
+        """Pass the next ``n`` anchors without computing their frames (SPEC §3.4); the
+        admissions and drains they cause are reported by drain_events as if emitted."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         for _ in range(n):
@@ -138,8 +139,10 @@ class Planner:
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
-        if self._strategy == "pool":  # the resident whose frames left hold draw t
-            ends = list(accumulate(self._left.values()))  # ends[-1] is R
+        if self._strategy == "pool":
+            # Draw t below the residents' frames left, R; each resident owns a run of that many
+            # numbers below R, in admission order, and the one whose run holds t is chosen.
+            ends = list(accumulate(self._left.values()))  # the runs' ends; ends[-1] is R
             t = below_unchecked(ends[-1], self._draw_key, self._emitted)
             return list(self._left)[bisect_right(ends, t)]
         if not self._round:
