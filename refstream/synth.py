@@ -1,20 +1,23 @@
-"""Which samples an episode needs, the one byte span that holds them, and the mini-MP4 that
-makes those bytes decodable (SPEC §7), without I/O, on a :class:`refstream.mp4.SampleIndex`.
-Calls, in the order a loader makes them::
+"""Which samples an episode needs, the one byte span that holds them, the frame serving each
+request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), without I/O, on a
+:class:`refstream.mp4.SampleIndex`. Calls, in the order a loader makes them::
 
     spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
     size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
+    pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
 :func:`serving_samples` is the one rule deciding whether a frame serves a requested time (SPEC
-§7.1): span selection, the decoder's choice of frame (§10.8) and the doctor all call it.
-:func:`episode_spans` applies :func:`select_span` to each camera at the episode's request times
-(:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2),
-which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
-stream (on every file, when it opens the dataset) and the doctor call.
+§7.1), :func:`served` the one refusal of a time nothing serves (``FrameNotFound``), and
+:func:`select_frames` the one choice among the frames that serve it (§10.8): spans, the worker
+and the doctor call them. :func:`episode_spans` applies :func:`select_span` to each camera at the
+episode's request times (:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its
+rows are read (§9.2), which assume a file's frames are ``1 / fps`` apart:
+:func:`check_frame_rate`, the one rule the stream and the doctor call on every file.
 
-It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads ``fps``,
-``camera_keys``, ``row``, ``frames``, ``video_relpath``, ``video_from_s`` and ``video_to_s``.
+It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads
+``fps``, ``camera_keys``, ``row``, ``frames``, ``data_relpath``, ``video_relpath``,
+``video_from_s`` and ``video_to_s``.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refstream.errors import FrameNotFound, MalformedDataset, UsageError
+from refstream.errors import FrameNotFound, MalformedDataset, TableError, UsageError
 from refstream.mp4 import SampleIndex
+from refstream.windows import check_tolerance
 
-__all__ = ["Matches", "serving_samples", "check_frame_rate", "Span", "select_span", "span_of",
-           "request_times_s", "episode_spans", "synthesized_size", "synthesize_header",
-           "synthesize", "DEFAULT_FTYP"]
+__all__ = ["Matches", "serving_samples", "served", "select_frames", "check_frame_rate", "Span",
+           "select_span", "span_of", "request_times_s", "episode_spans", "serving_pts",
+           "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
 # Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
@@ -82,6 +86,29 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
     return Matches(request[served], sample[served].astype(np.int64), distance_s[served])
 
 
+def served(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray, tolerance_s: float,
+           label: str) -> Matches:
+    """:func:`serving_samples` when every time is served; else the one ``FrameNotFound`` of an
+    unserved request, naming ``label`` and the first such time."""
+    matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
+    unserved = matches.unserved(len(times_s))
+    if len(unserved):
+        raise FrameNotFound(f"{label}: {len(unserved)} of {len(times_s)} request times have no "
+                            f"frame within {tolerance_s} s (first {times_s[unserved[0]]:.6f} s)")
+    return matches
+
+
+def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
+                  tolerance_s: float, label: str = "video") -> np.ndarray:
+    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each of ``times_s``: of
+    the samples that serve it, the nearest, then the earliest (SPEC §10.8)."""
+    pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
+    matches = served(pts_ticks, timescale, times_s, tolerance_s, label)
+    order = np.lexsort((pts_ticks[matches.sample], matches.distance_s, matches.request))
+    best = order[np.flatnonzero(np.diff(matches.request[order], prepend=-1))]
+    return matches.sample[best]
+
+
 def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath: str) -> float:
     """The median spacing (ticks) of the presentation times of the first
     :data:`FRAME_RATE_SAMPLES` samples of file ``relpath``; ``MalformedDataset`` unless it is
@@ -119,9 +146,10 @@ class Span:
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
     """The minimal span serving every time the episode can request (SPEC §7.1)."""
-    if not (to_s >= from_s and tolerance_s >= 0):
-        raise UsageError(f"{index.path}: bad span request from_s={from_s} to_s={to_s}"
-                         f" tolerance_s={tolerance_s}")
+    tolerance_s = check_tolerance(tolerance_s)
+    if not to_s >= from_s:
+        raise UsageError(f"{index.path}: a span from_s={from_s} s to_s={to_s} s ends before it "
+                         "starts")
     times_s = None if request_times_s is None else np.asarray(request_times_s, np.float64)
     window = _window(index, [from_s, to_s] if times_s is None else times_s, tolerance_s)
     pts = index.pts[window].astype(np.int64)
@@ -129,12 +157,7 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
         pts_s = pts / index.timescale
         needed = np.flatnonzero((pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s))
     else:
-        matches = serving_samples(pts, index.timescale, times_s, tolerance_s)
-        unserved = matches.unserved(len(times_s))
-        if len(unserved):
-            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of requested"
-                                f" time {float(times_s[unserved[0]])} s")
-        needed = matches.sample
+        needed = served(pts, index.timescale, times_s, tolerance_s, index.path).sample
     if not len(needed):
         raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
                             f" [{from_s}, {to_s}) s")
@@ -195,6 +218,13 @@ def request_times_s(meta, episode: int, camera: str, timestamps_s: np.ndarray) -
     return from_s + np.asarray(timestamps_s).astype(np.float64)
 
 
+def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_s: float,
+                 times_s: np.ndarray) -> Span:
+    row = meta.row(episode)
+    from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
+    return select_span(index, from_s, to_s, tolerance_s, times_s)
+
+
 def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
                   tolerance_s: float, timestamps_s: np.ndarray | None = None,
                   cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
@@ -203,14 +233,34 @@ def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
     ``indexes`` maps a video relpath to its index."""
     if timestamps_s is None:
         timestamps_s = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
-    row = meta.row(episode)
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:
         index = indexes[meta.video_relpath(episode, camera)]
-        from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
         times_s = request_times_s(meta, episode, camera, timestamps_s)
-        spans[camera] = index, select_span(index, from_s, to_s, tolerance_s, times_s)
+        spans[camera] = index, _camera_span(meta, episode, camera, index, tolerance_s, times_s)
     return spans
+
+
+def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Span]],
+                tolerance_s: float, timestamps_s: np.ndarray) -> dict[str, np.ndarray]:
+    """camera -> the source pts (int64) of the frame serving each row of ``timestamps_s``,
+    chosen among the samples of the camera's ``planned`` span (SPEC §9.1, §10.8);
+    ``TableError`` when the rows' times need a sample outside it (a plan made from the nominal
+    times, SPEC §9.2, is then too small)."""
+    chosen = {}
+    for camera, (index, span) in planned.items():
+        times_s = request_times_s(meta, episode, camera, timestamps_s)
+        needed = _camera_span(meta, episode, camera, index, tolerance_s, times_s)
+        if not span.covers(needed):
+            raise TableError(
+                f"{meta.data_relpath(episode)}: episode {episode}: its timestamps need samples "
+                f"{needed.sample_lo}..{needed.sample_hi} of {index.path}, outside samples "
+                f"{span.sample_lo}..{span.sample_hi} planned from timestamps frame_index / fps "
+                f"({camera})")
+        pts = index.pts[span.sample_lo : span.sample_hi + 1].astype(np.int64)
+        chosen[camera] = pts[select_frames(pts, index.timescale, times_s, tolerance_s,
+                                           f"episode {episode} camera {camera}")]
+    return chosen
 
 
 # --- the mini-MP4 ----------------------------------------------------------------------------
