@@ -53,7 +53,7 @@ class EpisodeDecoder:
                  keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self.demand = demand  # source pts -> requests still to come (None: keep nothing)
-        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local
+        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local ticks
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
         self.kept_bytes = 0
@@ -68,8 +68,10 @@ class EpisodeDecoder:
         peer = next((p for p in peers if self.setup and p.setup == self.setup), None)
         self.codec = stream.codec_context if peer is None else peer.codec
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
-        self._frame_bytes = 3 * self.width * self.height  # until a frame says (8-bit 4:4:4 at most)
-        rate = stream.average_rate  # frames per second, None if unknown; ticks: the time base
+        # A decoded frame's bytes: the most an 8-bit frame takes (4:4:4) until one is decoded.
+        self._frame_bytes = 3 * self.width * self.height
+        rate = stream.average_rate  # frames per second, None if unknown
+        # One frame's duration in ticks of the stream's time base (1 if the rate is unknown).
         self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
 
     def _open(self):
@@ -138,9 +140,9 @@ class EpisodeDecoder:
         """The last frame to decode: the last ``missing`` one, or past it the last frame of its
         GOP a later request wants, as far as ``room`` keeps them."""
         last = max(missing)
-        end = self._keyframes[bisect_right(self._keyframes, last)]  # the next GOP's start
+        next_gop = self._keyframes[bisect_right(self._keyframes, last)]  # its first frame's pts
         ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
-                                           bisect_left(self._demanded, end)]
+                                           bisect_left(self._demanded, next_gop)]
                  if p not in self.kept and self._wanted_later(p)]
         return max([last, *ahead[:room // self._frame_bytes]])
 
@@ -194,7 +196,8 @@ class EpisodeDecoder:
             if first_pts is None:
                 first_pts = frame.pts
                 if first_pts > first:
-                    break  # the caller seeks further back (after a reopen, nothing serves first)
+                    # _decode seeks further back; after a reopen, the video has no such frame.
+                    break
             if frame.pts in wanted or self._wanted_later(frame.pts):
                 frames[frame.pts] = frame
             if frame.pts >= last:

@@ -7,13 +7,11 @@ request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), w
     pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
-:func:`serving_samples` is the one rule deciding whether a frame serves a requested time (SPEC
-§7.1), :func:`served` the one refusal of a time nothing serves (``FrameNotFound``), and
-:func:`select_frames` the one choice among the frames that serve it (§10.8): spans, the worker
-and the doctor call them. :func:`episode_spans` applies :func:`select_span` to each camera at the
-episode's request times (:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its
-rows are read (§9.2), which assume a file's frames are ``1 / fps`` apart:
-:func:`check_frame_rate`, the one rule the stream and the doctor call on every file.
+One function per rule, called by spans, the worker and the doctor alike: :func:`serving_samples`,
+whether a frame serves a requested time (SPEC §7.1); :func:`served`, the refusal of a time that
+nothing serves; :func:`select_frames`, the choice among the frames that serve it (§10.8);
+:func:`check_frame_rate`, whether a file's frames are the ``1 / fps`` apart that the nominal
+request times (:func:`episode_spans` without timestamps) assume (§9.2).
 
 It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads
 ``fps``, ``camera_keys``, ``row``, ``frames``, ``data_relpath``, ``video_relpath``,
@@ -34,7 +32,7 @@ from refstream.mp4 import SampleIndex
 from refstream.windows import check_tolerance
 
 __all__ = ["Matches", "serving_samples", "served", "select_frames", "check_frame_rate", "Span",
-           "select_span", "span_of", "request_times_s", "episode_spans", "serving_pts",
+           "select_span", "span_of", "episode_spans", "serving_pts",
            "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
@@ -164,7 +162,7 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
     first_needed = window.start + int(needed.min())
     last_needed = window.start + int(needed.max())
     start = _keyframe_before(index, first_needed, int(pts[needed].min()))
-    if index.reordered:  # finish the GOP
+    if index.reordered:  # B-frames: the span runs to the end of the last needed GOP (§7.1)
         return span_of(index, start, _keyframe_from(index, last_needed + 1) - 1)
     return span_of(index, start, last_needed)
 
@@ -176,9 +174,9 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
     finite = finite[np.isfinite(finite)]
     if not len(finite):
         return slice(0, 0)
-    limit = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
-    low_ticks = max(-limit, min(limit, (float(finite.min()) - tolerance_s) * index.timescale))
-    high_ticks = max(-limit, min(limit, (float(finite.max()) + tolerance_s) * index.timescale))
+    clamp = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
+    low_ticks = max(-clamp, min(clamp, (float(finite.min()) - tolerance_s) * index.timescale))
+    high_ticks = max(-clamp, min(clamp, (float(finite.max()) + tolerance_s) * index.timescale))
     low, high = index.composition_range
     return slice(int(np.searchsorted(index.dts, math.floor(low_ticks) - 2 - high, "left")),
                  int(np.searchsorted(index.dts, math.ceil(high_ticks) + 2 - low, "right")))
@@ -186,21 +184,21 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
 
 def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
     """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
-    for end in range(sample + 1, 0, -SCAN_SAMPLES):
-        begin = max(0, end - SCAN_SAMPLES)
-        found = np.flatnonzero(index.keyframe[begin:end] & (index.pts[begin:end] <= pts))
+    for stop in range(sample + 1, 0, -SCAN_SAMPLES):
+        start = max(0, stop - SCAN_SAMPLES)
+        found = np.flatnonzero(index.keyframe[start:stop] & (index.pts[start:stop] <= pts))
         if len(found):
-            return begin + int(found[-1])
+            return start + int(found[-1])
     raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
                         f" or before pts {pts}")
 
 
 def _keyframe_from(index: SampleIndex, sample: int) -> int:
     """The first keyframe at or after ``sample``; the sample count when there is none."""
-    for begin in range(sample, len(index), SCAN_SAMPLES):
-        found = np.flatnonzero(index.keyframe[begin : begin + SCAN_SAMPLES])
+    for start in range(sample, len(index), SCAN_SAMPLES):
+        found = np.flatnonzero(index.keyframe[start : start + SCAN_SAMPLES])
         if len(found):
-            return begin + int(found[0])
+            return start + int(found[0])
     return len(index)
 
 
@@ -212,17 +210,14 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
-def request_times_s(meta, episode: int, camera: str, timestamps_s: np.ndarray) -> np.ndarray:
-    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``."""
-    from_s = float(meta.video_from_s[camera][meta.row(episode)])
-    return from_s + np.asarray(timestamps_s).astype(np.float64)
-
-
 def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_s: float,
-                 times_s: np.ndarray) -> Span:
+                 timestamps_s: np.ndarray) -> tuple[np.ndarray, Span]:
+    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``
+    (SPEC §9.1), and the span serving them."""
     row = meta.row(episode)
     from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
-    return select_span(index, from_s, to_s, tolerance_s, times_s)
+    times_s = from_s + np.asarray(timestamps_s).astype(np.float64)
+    return times_s, select_span(index, from_s, to_s, tolerance_s, times_s)
 
 
 def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
@@ -236,8 +231,8 @@ def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:
         index = indexes[meta.video_relpath(episode, camera)]
-        times_s = request_times_s(meta, episode, camera, timestamps_s)
-        spans[camera] = index, _camera_span(meta, episode, camera, index, tolerance_s, times_s)
+        spans[camera] = index, _camera_span(meta, episode, camera, index, tolerance_s,
+                                            timestamps_s)[1]
     return spans
 
 
@@ -249,8 +244,7 @@ def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Spa
     times, SPEC §9.2, is then too small)."""
     chosen = {}
     for camera, (index, span) in planned.items():
-        times_s = request_times_s(meta, episode, camera, timestamps_s)
-        needed = _camera_span(meta, episode, camera, index, tolerance_s, times_s)
+        times_s, needed = _camera_span(meta, episode, camera, index, tolerance_s, timestamps_s)
         if not span.covers(needed):
             raise TableError(
                 f"{meta.data_relpath(episode)}: episode {episode}: its timestamps need samples "
