@@ -153,16 +153,16 @@ _ENTRY_BOXES_AT = 8 + 86  # stsd version, flags and entry count; a VisualSampleE
 
 
 def decoder_setup(stsd: bytes) -> bytes:
-    """The sample description ``stsd`` (as :attr:`SampleIndex.stsd`) without its btrt box: equal
-    for two files exactly when FFmpeg sets a decoder up alike for both. A description not made
-    of plain boxes is its own setup."""
-    entry_end = 8 + int.from_bytes(stsd[8:12], "big")
+    """The sample description ``stsd`` (as :attr:`SampleIndex.stsd`) without its btrt box: files
+    whose setups are equal get decoders set up alike. A description not made of plain boxes is
+    its own setup."""
+    entry_limit = 8 + int.from_bytes(stsd[8:12], "big")  # where the first sample entry ends
     try:
-        boxes = walk_boxes(stsd, _ENTRY_BOXES_AT, entry_end, 0, "sample description")
+        boxes = walk_boxes(stsd, _ENTRY_BOXES_AT, entry_limit, 0, "sample description")
     except MalformedMp4:
         return stsd
     kept = (stsd[box.offset:box.end] for box in boxes if box.type != "btrt")
-    return b"".join([stsd[:_ENTRY_BOXES_AT], *kept, stsd[entry_end:]])
+    return b"".join([stsd[:_ENTRY_BOXES_AT], *kept, stsd[entry_limit:]])
 
 
 def _read(read_range: ReadRange, offset: int, length: int, path: str) -> bytes:
