@@ -238,10 +238,8 @@ def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
 
 def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Span]],
                 tolerance_s: float, timestamps_s: np.ndarray) -> dict[str, np.ndarray]:
-    """camera -> the source pts (int64) of the frame serving each row of ``timestamps_s``,
-    chosen among the samples of the camera's ``planned`` span (SPEC §9.1, §10.8);
-    ``TableError`` when the rows' times need a sample outside it (a plan made from the nominal
-    times, SPEC §9.2, is then too small)."""
+    """camera -> source pts (int64) of the frame serving each row of ``timestamps_s``, among the
+    samples of its ``planned`` span (SPEC §9.1, §10.8); ``TableError`` if they need others."""
     chosen = {}
     for camera, (index, span) in planned.items():
         times_s, needed = _camera_span(meta, episode, camera, index, tolerance_s, timestamps_s)
