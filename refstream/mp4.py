@@ -153,9 +153,8 @@ _ENTRY_BOXES_AT = 8 + 86  # stsd version, flags and entry count; a VisualSampleE
 
 
 def decoder_setup(stsd: bytes) -> bytes:
-    """The sample description ``stsd`` (as :attr:`SampleIndex.stsd`) without its btrt box: files
-    whose setups are equal get decoders set up alike. A description not made of plain boxes is
-    its own setup."""
+    """``stsd`` (as :attr:`SampleIndex.stsd`) without its btrt box: files whose setups are equal
+    get decoders set up alike. A description not made of plain boxes is its own setup."""
     entry_limit = 8 + int.from_bytes(stsd[8:12], "big")  # where the first sample entry ends
     try:
         boxes = walk_boxes(stsd, _ENTRY_BOXES_AT, entry_limit, 0, "sample description")

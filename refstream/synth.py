@@ -118,9 +118,9 @@ def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath:
     rate = timescale / spacing if spacing > 0 else math.inf
     raise MalformedDataset(
         f"{relpath}: the video's frame times disagree with meta/info.json's fps {fps:g}: its "
-        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps "
-        f"{fps:g} means {1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, "
-        f"or re-encode the videos at {fps:g} fps")
+        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps {fps:g} means "
+        f"{1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, or re-encode "
+        f"the videos at {fps:g} fps")
 
 
 # --- spans -----------------------------------------------------------------------------------
@@ -146,8 +146,7 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
     """The minimal span serving every time the episode can request (SPEC §7.1)."""
     tolerance_s = check_tolerance(tolerance_s)
     if not to_s >= from_s:
-        raise UsageError(f"{index.path}: a span from_s={from_s} s to_s={to_s} s ends before it "
-                         "starts")
+        raise UsageError(f"{index.path}: a span's to_s={to_s} s is before its from_s={from_s} s")
     times_s = None if request_times_s is None else np.asarray(request_times_s, np.float64)
     window = _window(index, [from_s, to_s] if times_s is None else times_s, tolerance_s)
     pts = index.pts[window].astype(np.int64)
