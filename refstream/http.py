@@ -44,8 +44,7 @@ from refstream.errors import (
     ShortRead,
     UsageError,
 )
-from refstream.meta import check_relpath
-from refstream.source import Source, byte_range, check_span, check_tail
+from refstream.source import Source, byte_range, check_relpath, check_span, check_tail
 
 __all__ = ["HTTPSource", "RetryPolicy", "Accept", "Retry", "FallBack", "judge_response",
            "parse_retry_after", "parse_decimal"]

@@ -33,8 +33,8 @@ import requests
 from refstream import errors
 from refstream.errors import FetchError, MalformedDataset, UsageError
 from refstream.http import HTTPSource, parse_decimal
-from refstream.meta import check_relpath
 from refstream.sidecar import default_cache_root, install
+from refstream.source import check_relpath
 
 __all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root", "target_expiry",
            "resolve_again"]

@@ -26,7 +26,6 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -43,10 +42,11 @@ from refstream.errors import (
     check_int,
 )
 from refstream.shard import episode_ids
+from refstream.source import Source, check_relpath
 from refstream.stats import STATS_PATH, parse_stats
 
-__all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
-           "read_parquet", "column_array", "index_column", "next_file", "parse_json"]
+__all__ = ["DatasetMeta", "load_meta", "select_episodes", "read_parquet", "column_array",
+           "index_column", "next_file", "parse_json"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -82,24 +82,6 @@ INDEX_FIELDS = frozenset({"chunk_index", "file_index"})
 VIDEO_FIELDS = INDEX_FIELDS | {"video_key"}
 # The one format spec a placeholder may carry (SPEC §4.2): zero-padding an index to a width.
 _ZERO_PADDED = re.compile(r"0[1-9][0-9]*d")
-
-
-class Source(Protocol):
-    """Whole-file access to one dataset by root-relative POSIX path."""
-
-    def read_bytes(self, relpath: str) -> bytes:
-        """The file's bytes; a missing file raises :class:`MalformedDataset` naming it."""
-
-
-def check_relpath(relpath: str) -> str:
-    """``relpath`` if the lexical rule of SPEC §4.1 finds it safe, else UnsafePath."""
-    if not isinstance(relpath, str) or not relpath:
-        raise UnsafePath(f"path {relpath!r} is empty or not a string")
-    if any(ch in relpath for ch in "\\:\x00"):
-        raise UnsafePath(f"path {relpath!r} contains '\\', ':' or NUL")
-    if any(part in ("", ".", "..") for part in relpath.split("/")):
-        raise UnsafePath(f"path {relpath!r} is absolute or has an empty, '.' or '..' component")
-    return relpath
 
 
 @dataclass(frozen=True, eq=False)

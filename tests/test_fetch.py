@@ -40,7 +40,8 @@ from refstream.http import (
     parse_retry_after,
 )
 from refstream.hub import open_hf_source
-from refstream.source import LocalSource, RangeFile, open_source
+from refstream.roots import open_source
+from refstream.source import LocalSource, RangeFile
 from refstream.tools.conformance import first_difference, in_process, load_cases
 
 FILE_BYTES = 300_000

@@ -24,12 +24,8 @@ from refstream.errors import (
     UnsupportedDataset,
     UsageError,
 )
-from refstream.meta import (
-    check_relpath,
-    load_meta,
-    select_episodes,
-)
-from refstream.source import LocalSource
+from refstream.meta import load_meta, select_episodes
+from refstream.source import LocalSource, check_relpath
 from refstream.tools import adapters
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"

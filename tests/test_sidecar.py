@@ -46,8 +46,9 @@ from refstream.errors import (
 )
 from refstream.meta import load_meta
 from refstream.mp4 import SampleIndex
+from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, ensure_index, read_record, record_name
-from refstream.source import LocalSource, open_source
+from refstream.source import LocalSource
 from refstream.tools import adapters
 from refstream.tools.cli import export_index
 
