@@ -236,6 +236,11 @@ class HubSource(HTTPSource):
     def _shared_path(self, url: str):
         return self._shared / hashlib.sha256(url.encode()).hexdigest()[:32]
 
+    def _absent(self, status: int, headers: Mapping[str, str]) -> bool:
+        """A missing file, not a missing repository or revision (SPEC §8.4, *Refusals*)."""
+        code = headers.get("X-Error-Code", "EntryNotFound")
+        return super()._absent(status, headers) and code == "EntryNotFound"
+
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
         """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN's answers carry
         neither ``X-Error-Code`` nor ``X-Error-Message``."""

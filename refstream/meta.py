@@ -462,9 +462,8 @@ def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, in
 
 def _read_stats(source: Source) -> dict | None:
     """``meta/stats.json`` as arrays (SPEC §4.7), None when the dataset has none."""
-    try:
-        data = source.read_bytes(STATS_PATH)
-    except MalformedDataset:  # what every source raises for a missing file
+    data = source.read_if_present(STATS_PATH)
+    if data is None:
         return None
     return parse_stats(parse_json(data, STATS_PATH, allow_nan=True))  # as LeRobot writes it
 

@@ -40,7 +40,6 @@ from typing import BinaryIO
 import numpy as np
 
 from refstream.errors import (
-    MalformedDataset,
     RefstreamError,
     SidecarError,
     SidecarInvalid,
@@ -315,9 +314,8 @@ def _install_record(relpath: str, record: Record, write: Callable[[BinaryIO], ob
 def _take_published(source: Source, wanted: dict[str, Record]) -> int:
     """Install the ``wanted`` records that the dataset's published index holds; how many."""
     taken = 0
-    try:
-        size = source.size(PUBLISHED_RELPATH)
-    except MalformedDataset:
+    size = source.size_if_present(PUBLISHED_RELPATH)
+    if size is None:
         return 0  # the dataset publishes no index
     try:
         reader = io.BufferedReader(RangeFile(source, PUBLISHED_RELPATH, size),

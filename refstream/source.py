@@ -7,6 +7,7 @@ Usage::
     source.read_range(relpath, offset, length)   # exactly `length` bytes, or an error
     source.read_tail(relpath, length)            # (the last min(length, size) bytes, size)
     source.size(relpath), source.identity(relpath)
+    source.size_if_present(relpath), source.read_if_present(relpath)   # None: no such file
     source.content_identities(relpaths)          # relpath -> (size, content identity), SPEC §10.1
     source.expect_identity(relpath, identity)    # a later read of another version: PayloadChanged
     pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
@@ -40,7 +41,8 @@ IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each ove
 
 class Source:
     """The base of every source: the identity check of every read (SPEC §8.1).
-    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``identity`` and ``close``."""
+    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``size_if_present`` (None for an
+    absent file), ``identity`` and ``close``."""
 
     def __init__(self) -> None:
         # relpath -> identity; threads share it, and one dict operation is atomic: no lock
@@ -63,6 +65,10 @@ class Source:
         expected = self._expected.get(relpath)
         if expected is not None and actual != expected:
             raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
+
+    def read_if_present(self, relpath: str) -> bytes | None:
+        """The whole file, None when the root has no such file (an optional file)."""
+        return None if self.size_if_present(relpath) is None else self.read_bytes(relpath)
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         """The file's size, then a range of its last bytes."""
@@ -116,6 +122,9 @@ class LocalSource(Source):
 
     def size(self, relpath: str) -> int:
         return self._stat(relpath).st_size
+
+    def size_if_present(self, relpath: str) -> int | None:
+        return self.size(relpath) if (self.root / check_relpath(relpath)).is_file() else None
 
     def identity(self, relpath: str) -> str:
         return _local_identity(self._stat(relpath))

@@ -221,6 +221,9 @@ class MemorySource:
             raise MalformedDataset(f"{relpath}: missing from the dataset")
         return self.files[relpath]
 
+    def read_if_present(self, relpath: str) -> bytes | None:
+        return self.files.get(check_relpath(relpath))
+
 
 def kind_meta(case: dict) -> dict:
     """Kind ``meta`` (SPEC §4.6): the case's files become the dataset's bytes."""
