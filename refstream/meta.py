@@ -35,6 +35,7 @@ from refstream.errors import (
     DatasetError,
     EpisodeSelectionError,
     MalformedDataset,
+    RefstreamError,
     TableError,
     UnsafePath,
     UnsupportedDataset,
@@ -468,13 +469,14 @@ def _read_stats(source: Source) -> dict | None:
     return parse_stats(parse_json(data, STATS_PATH, allow_nan=True))  # as LeRobot writes it
 
 
-def parse_json(data: bytes, relpath: str, allow_nan: bool = False) -> object:
+def parse_json(data: bytes, relpath: str, allow_nan: bool = False,
+               error: type[RefstreamError] = MalformedDataset) -> object:
     """The JSON value of metadata file ``relpath``: UTF-8 without a byte-order mark, ``NaN`` and
-    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); MalformedDataset when it is not."""
+    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); ``error`` when it is not."""
     try:
         return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _not_json)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedDataset(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise error(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
                                "(RFC 8259) without a byte-order mark") from exc
 
 
