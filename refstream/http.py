@@ -6,13 +6,10 @@ Usage::
     source = HTTPSource("https://host/dataset", token=None, retry=RetryPolicy())
     source.read_range("data/chunk-000/file-000.parquet", 0, 4096)   # the refstream.source calls
 
-:func:`judge_response` is I/O-free: from what a GET asked and the answer's status and headers it
-returns a decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`FallBack`
-(the server does not serve suffix ranges) — or raises the error that ends the request.
-:class:`HTTPSource` does the I/O around it: one ``requests.Session`` shared by every thread;
-redirects followed by hand; the token sent to the base URL's origin only; ``.netrc`` never read.
-Each retry and each rate-limit wait is logged at WARNING on the ``refstream.http`` logger (URL,
-byte range, attempt or quota, delay); no message carries a token or a request header.
+:func:`judge_response` is I/O-free: a request and its answer's status and headers give a decision
+(:class:`Accept`, :class:`Retry`, :class:`FallBack`) or the error that ends the request.
+:class:`HTTPSource` does the I/O around it, turns ``requests`` errors into refstream's, and logs
+each retry and wait at WARNING on ``refstream.http``, never a token or a request header.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""A dataset root to its byte source (SPEC §8.1): a folder, ``file://``, ``http(s)://`` or
-``hf://``. This module is above the three sources (:mod:`refstream.source`,
-:mod:`refstream.http`, :mod:`refstream.hub`), so none of them imports another's caller.
-"""
+"""A dataset root to its byte source (SPEC §8.1), above the three kinds of source."""
 
 from __future__ import annotations
 

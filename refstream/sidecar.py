@@ -1,17 +1,15 @@
 """The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk so that
-training starts without reading a ``moov`` again (SPEC §10), in one *record* per size and content
-(:func:`record_name`). Use::
+training starts without reading a ``moov`` again, one *record* per size and content (SPEC §10).
+Use::
 
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say. :class:`MappedIndex`
-gives read-only ``SampleIndex`` objects whose arrays are views of the shared, mapped records in
-their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must not wrap).
-The ``refstream.sidecar`` logger says at INFO where the index came from. A build reports each
-file indexed to ``ensure_index``'s ``progress(done, total)``; without one, it logs ``done/total`` at
-INFO every :data:`PROGRESS_EVERY_S` (the library draws nothing: ``refstream index`` does).
+:class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are views of the mapped
+records in their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must
+not wrap). The ``refstream.sidecar`` logger says at INFO where the index came from, and a
+build's progress when ``ensure_index`` is given no ``progress(done, total)``.
 """
 
 from __future__ import annotations
