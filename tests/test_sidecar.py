@@ -657,6 +657,14 @@ def test_a_corrupt_record_is_rebuilt_alone(root, cache, corruption):
     assert_matches_oracle(again, root)
 
 
+def test_a_programming_error_while_reading_a_record_is_not_called_corrupt(root, cache,
+                                                                           monkeypatch):
+    record = ensure(root, cache).records[RELPATHS[1]]
+    monkeypatch.setattr(sidecar, "_stored_arrays", lambda *args: None.missing)  # a bug
+    with pytest.raises(AttributeError):
+        read_record(record.path, record.size, record.identity)
+
+
 def test_a_record_claiming_a_huge_header_is_refused_without_reading_it(tmp_path):
     import struct
     import tracemalloc
