@@ -176,8 +176,6 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
                 raise ValueError("the record does not match its digest")
             if np.any(index.dts[1:] < index.dts[:-1]):
                 raise ValueError("dts decreases")  # spans are found by searching dts
-    except FileNotFoundError:
-        raise
     except CORRUPT_NPY as exc:
         raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
                              f"({type(exc).__name__}: {exc})") from exc
@@ -309,10 +307,11 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
     """The ``records`` whose file is absent or not valid."""
     missing = {}
     for relpath, record in records.items():
+        if not os.path.exists(record.path):
+            missing[relpath] = record
+            continue
         try:
             read_record(record.path, record.size, record.identity, relpath)
-        except FileNotFoundError:
-            missing[relpath] = record
         except SidecarInvalid as exc:
             log.info("%s: indexing again", exc)
             missing[relpath] = record
