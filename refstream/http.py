@@ -298,6 +298,11 @@ class HTTPSource(Source):
         url = self.url(relpath)
         return self._get(_Request(url, url, relpath)).body
 
+    def read_if_present(self, relpath: str) -> bytes | None:
+        url = self.url(relpath)  # one GET, not a HEAD first
+        answer = self._get(_Request(url, url, relpath, absent_ok=True))
+        return None if answer is None else answer.body
+
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         url = self.url(relpath)
         check_span(url, offset, length)
