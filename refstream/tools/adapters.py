@@ -27,7 +27,6 @@ from requests.structures import CaseInsensitiveDict
 
 from refstream import resume
 from refstream.budget import ByteBudget
-from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
@@ -40,6 +39,7 @@ from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_
 from refstream.source import LocalSource, check_relpath
 from refstream.synth import (
     check_frame_rate,
+    select_frames,
     select_span,
     serving_samples,
     span_of,
