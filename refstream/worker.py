@@ -39,8 +39,8 @@ from refstream.errors import FetchError
 from refstream.meta import DatasetMeta, column_array
 from refstream.mp4 import SampleIndex
 from refstream.planner import Planner
+from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, VideoIndex
-from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 

@@ -2,7 +2,7 @@
 
 Usage (``refstream doctor ROOT|URL [--decode all] [--json]`` does the same from the shell)::
 
-    source = refstream.source.open_source(root)
+    source = refstream.roots.open_source(root)
     report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
     report.ok                                   # True when every check passed
     report.not_checked                          # what was not checked (empty: safe to train)
