@@ -29,11 +29,11 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError, check_at_least
 
-__all__ = ["ByteBudget", "BudgetSnapshot", "fits", "check_episode_size"]
+__all__ = ["ByteBudget", "Reservation", "fits", "check_episode_size"]
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,9 @@ def check_episode_size(episode: int, size_bytes: int, budget_bytes: int, advice:
                               f"byte budget of {budget_bytes:,} bytes{advice}")
 
 
-@dataclass(frozen=True)
-class BudgetSnapshot:
-    """The table's counters, read together under its lock (all sizes in bytes)."""
-
-    reserved_bytes: int
-    resident_bytes: int
-    peak_reserved_bytes: int
-    leases: int  # total lease count over all episodes
-
-
 @dataclass(slots=True)
-class _Reservation:
-    """One reserved episode (mutable; only touched under the table's lock)."""
+class Reservation:
+    """One reserved episode (mutable; the table touches its own only under its lock)."""
 
     size_bytes: int
     resident_bytes: int = 0
@@ -78,8 +68,7 @@ class ByteBudget:
         check_at_least(1, budget_bytes=budget_bytes)
         self.budget_bytes = int(budget_bytes)
         self._cond = threading.Condition(threading.Lock())
-        self._table: OrderedDict[int, _Reservation] = OrderedDict()  # LRU first
-        self._peak_reserved_bytes = 0
+        self._table: OrderedDict[int, Reservation] = OrderedDict()  # LRU first
         self._evicted: list[int] = []
         self._closed = False
 
@@ -90,18 +79,10 @@ class ByteBudget:
         with self._cond:
             return self._reserved_locked()
 
-    def snapshot(self) -> BudgetSnapshot:
+    def reservations(self) -> dict[int, Reservation]:
+        """A copy of the table, least recently used first."""
         with self._cond:
-            return BudgetSnapshot(
-                reserved_bytes=self._reserved_locked(),
-                resident_bytes=sum(r.resident_bytes for r in self._table.values()),
-                peak_reserved_bytes=self._peak_reserved_bytes,
-                leases=sum(r.leases for r in self._table.values()))
-
-    def lru_order(self) -> list[int]:
-        """Reserved episodes, least recently used first."""
-        with self._cond:
-            return list(self._table)
+            return {episode: replace(entry) for episode, entry in self._table.items()}
 
     # --- reserving ------------------------------------------------------------------------
 
@@ -237,6 +218,5 @@ class ByteBudget:
         for victim in victims:
             del self._table[victim]
         self._evicted += victims
-        self._table[episode] = _Reservation(size_bytes)
-        self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_locked())
+        self._table[episode] = Reservation(size_bytes)
         return True

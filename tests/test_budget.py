@@ -50,6 +50,25 @@ class Waiters:
             assert self._changed.wait_for(lambda: len(self._waiting) == count, HANG_GUARD_S)
 
 
+class PeakBudget(ByteBudget):
+    """A table that records the most bytes it ever reserved, under its lock."""
+
+    peak_reserved_bytes = 0
+
+    def _reserve_locked(self, *args, **kwargs) -> bool:
+        reserved = super()._reserve_locked(*args, **kwargs)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self._reserved_locked())
+        return reserved
+
+
+def lru_order(budget: ByteBudget) -> list[int]:
+    return list(budget.reservations())
+
+
+def resident_bytes(budget: ByteBudget) -> int:
+    return sum(r.resident_bytes for r in budget.reservations().values())
+
+
 def fetched(budget: ByteBudget, episode: int, size: int, *, resident: int | None = None) -> None:
     """Reserve and complete a prefetch of ``episode`` (asserting each step succeeds)."""
     assert budget.try_reserve(episode, size)
@@ -62,7 +81,7 @@ def test_reserve_counts_exact_sizes_and_refuses_too_large():
     budget = ByteBudget(100)
     assert budget.try_reserve(1, 30)
     assert budget.try_reserve(2, 70)
-    assert budget.reserved_bytes == 100 and budget.snapshot().resident_bytes == 0
+    assert budget.reserved_bytes == 100 and resident_bytes(budget) == 0
     with pytest.raises(EpisodeTooLarge, match="episode 3 needs 101 bytes"):
         budget.try_reserve(3, 101)
     # exactly the budget is allowed (once the room is free)
@@ -86,7 +105,7 @@ def test_two_cameras_share_one_reservation():
     assert budget.try_reserve(0, 10) and budget.claim_fetch(0)
     assert not budget.claim_fetch(0)  # the second camera's caller does not fetch again
     assert budget.mark_resident(0, 4) and budget.mark_resident(0, 6)
-    assert budget.snapshot().resident_bytes == budget.reserved_bytes == 10
+    assert resident_bytes(budget) == budget.reserved_bytes == 10
     with pytest.raises(BudgetError, match="over its reservation of 10 bytes"):
         budget.mark_resident(0, 1)
 
@@ -102,7 +121,7 @@ def test_full_budget_refuses_prefetch_while_fetch_in_flight_or_leased():
     budget.release(1)
     assert budget.try_reserve(2, 50)  # now 1 is fetched and unleased: evicted
     assert budget.take_evicted() == [1]
-    assert 1 not in budget.lru_order() and budget.reserved_bytes == 50
+    assert 1 not in lru_order(budget) and budget.reserved_bytes == 50
 
 
 def test_eviction_is_lru_and_all_or_nothing():
@@ -110,14 +129,14 @@ def test_eviction_is_lru_and_all_or_nothing():
     for episode in (1, 2, 3):
         fetched(budget, episode, 30)
     assert budget.try_reserve(1, 30)  # touch: 1 becomes most recently used
-    assert budget.lru_order() == [2, 3, 1]
+    assert lru_order(budget) == [2, 3, 1]
     assert budget.try_reserve(4, 40)  # needs 30 more: evicts 2 only
     assert budget.take_evicted() == [2]
-    assert budget.lru_order() == [3, 1, 4]
+    assert lru_order(budget) == [3, 1, 4]
     # 4 is still in flight; evicting 3 and 1 frees 60 < 70 needed: nothing may be evicted
     assert not budget.try_reserve(5, 70)
-    assert budget.take_evicted() == [] and budget.lru_order() == [3, 1, 4]
-    assert budget.snapshot().resident_bytes == 60
+    assert budget.take_evicted() == [] and lru_order(budget) == [3, 1, 4]
+    assert resident_bytes(budget) == 60
 
 
 def test_reserve_in_room_never_evicts_and_touch_reorders():
@@ -125,10 +144,10 @@ def test_reserve_in_room_never_evicts_and_touch_reorders():
     for episode in (1, 2, 3):
         fetched(budget, episode, 30)
     assert not budget.reserve_in_room(4, 20)  # evicting 1 would make room: it is not evicted
-    assert budget.take_evicted() == [] and budget.lru_order() == [1, 2, 3]
+    assert budget.take_evicted() == [] and lru_order(budget) == [1, 2, 3]
     assert budget.reserve_in_room(5, 10)  # exactly the room left
     budget.touch([9, 3, 1])  # 9 is not reserved: skipped
-    assert budget.lru_order() == [2, 5, 3, 1]
+    assert lru_order(budget) == [2, 5, 3, 1]
 
 
 def test_late_payload_of_a_forgotten_episode_is_refused():
@@ -137,7 +156,7 @@ def test_late_payload_of_a_forgotten_episode_is_refused():
     budget.forget(1)
     assert not budget.mark_resident(1, 5)
     assert not budget.mark_fetched(1)
-    assert budget.snapshot().resident_bytes == 0 and budget.reserved_bytes == 0
+    assert resident_bytes(budget) == 0 and budget.reserved_bytes == 0
 
 
 def test_forget_refuses_leased_or_in_flight_episodes():
@@ -201,7 +220,7 @@ def test_timeout_returns_false_and_changes_nothing():
     assert not budget.acquire(2, 1, timeout_s=0.05)
     assert not budget.acquire(2, 1, timeout_s=0)
     assert 0.05 <= time.monotonic() - started < HANG_GUARD_S  # waited the timeout, then gave up
-    assert budget.lru_order() == [1]
+    assert lru_order(budget) == [1]
 
 
 def test_close_wakes_every_waiter_with_budget_closed():
@@ -307,11 +326,10 @@ def test_table_matches_a_brute_force_model(sequence):
         elif op == "forget" and row is not None and row["leases"] == 0 and row["fetched"]:
             model.rows.remove(row)
             budget.forget(e)
-        assert budget.lru_order() == [r["e"] for r in model.rows]
-        snap = budget.snapshot()
-        assert snap.reserved_bytes == sum(r["size"] for r in model.rows) <= 40
-        assert snap.resident_bytes == sum(r["resident"] for r in model.rows)
-        assert snap.leases == sum(r["leases"] for r in model.rows)
+        table = [(e, r.size_bytes, r.resident_bytes, r.leases)
+                 for e, r in budget.reservations().items()]
+        assert table == [(r["e"], r["size"], r["resident"], r["leases"]) for r in model.rows]
+        assert budget.reserved_bytes == sum(r["size"] for r in model.rows) <= 40
 
 
 # --- stress --------------------------------------------------------------------------------
@@ -321,7 +339,7 @@ STRESS_ACQUIRES, STRESS_PREFETCHES = 1000, 200  # about 1 s of work on an idle m
 
 def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
     budget_bytes = 1000
-    budget = ByteBudget(budget_bytes)
+    budget = PeakBudget(budget_bytes)
     rng = random.Random(12345)
     sizes = {e: rng.randint(1, 400) for e in range(60)}
     stop = threading.Event()
@@ -330,9 +348,11 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
     progress_lock = threading.Condition()
 
     def check():
-        snap = budget.snapshot()
-        if not 0 <= snap.resident_bytes <= snap.reserved_bytes <= budget_bytes:
-            failures.append(f"invariant broken: {snap}")
+        table = budget.reservations().values()  # read at one instant
+        resident = sum(r.resident_bytes for r in table)
+        reserved = sum(r.size_bytes for r in table)
+        if not 0 <= resident <= reserved <= budget_bytes:
+            failures.append(f"invariant broken: {resident} resident, {reserved} reserved bytes")
 
     def fetch(episode):
         if budget.claim_fetch(episode):
@@ -403,7 +423,7 @@ def test_stress_many_threads_keep_the_invariants_and_close_unblocks_everyone():
     assert not [t for t in threads if t.is_alive()], "a thread is still alive: deadlock"
     assert failures == []
     assert progress["acquired"] >= STRESS_ACQUIRES and progress["prefetched"] >= STRESS_PREFETCHES
-    assert budget.snapshot().peak_reserved_bytes <= budget_bytes
+    assert 0 < budget.peak_reserved_bytes <= budget_bytes
 
 
 # --- conformance cases (hand-derived expectations in spec/fixtures/budget) ----------------------

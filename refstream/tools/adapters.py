@@ -343,10 +343,11 @@ def kind_budget_ops(case: dict) -> dict:
         except (BudgetError, UsageError) as exc:
             results.append({"error": type(exc).__name__})
         evicted.append(budget.take_evicted())
-    snap = budget.snapshot()
-    return {"results": results, "evicted": evicted, "lru": budget.lru_order(),
-            "reserved_bytes": snap.reserved_bytes, "resident_bytes": snap.resident_bytes,
-            "leases": snap.leases}
+    table = budget.reservations()
+    return {"results": results, "evicted": evicted, "lru": list(table),
+            "reserved_bytes": sum(r.size_bytes for r in table.values()),
+            "resident_bytes": sum(r.resident_bytes for r in table.values()),
+            "leases": sum(r.leases for r in table.values())}
 
 
 def kind_frame_select(case: dict) -> dict:
