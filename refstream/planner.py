@@ -46,15 +46,16 @@ class Planner:
                  byte_sizes: Sequence[int] | None = None, byte_budget: int | None = None,
                  delivered: Sequence[int] | None = None) -> None:
         seed = resolve_seed(seed)
-        check_episodes(episodes, frames)
+        episodes = check_episodes(episodes, frame_counts=frames, delivered_counts=delivered,
+                                  byte_sizes=byte_sizes)
         check_at_least(0, epoch=epoch, rank=rank, worker=worker)
         check_at_least(1, pool_size=pool_size)
         if strategy not in STRATEGIES:
             raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         rest = _rest(episodes, frames, delivered)
-        self._frames = {int(e): int(f) for e, f, r in zip(episodes, frames, rest, strict=True)
+        self._frames = {e: int(f) for e, f, r in zip(episodes, frames, rest, strict=True)
                         if r > 0}  # the whole episode: its keyed frame order
-        self._rest = {int(e): r for e, r in zip(episodes, rest, strict=True) if r > 0}
+        self._rest = {e: r for e, r in zip(episodes, rest, strict=True) if r > 0}
         self._sizes = _check_budget(episodes, rest, byte_sizes, byte_budget)
         self._budget = 0 if byte_budget is None else byte_budget  # without one, every size is 0
         self._used = 0  # bytes of the residents
@@ -179,7 +180,6 @@ def _rest(episodes, frames, delivered) -> list[int]:
     """Each episode's frames not yet delivered this epoch; UsageError for a bad ``delivered``."""
     if delivered is None:
         return [int(f) for f in frames]
-    check_episodes(episodes, delivered, "delivered counts")
     for episode, count, done in zip(episodes, frames, delivered, strict=True):
         if done > count:
             raise UsageError(f"episode {episode} has {count} frames, {done} cannot be delivered")
@@ -189,12 +189,11 @@ def _rest(episodes, frames, delivered) -> list[int]:
 def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int]:
     """Each episode's byte size, 0 without a budget; EpisodeTooLarge per SPEC §3.1."""
     if byte_sizes is None and byte_budget is None:
-        return dict.fromkeys(map(int, episodes), 0)
+        return dict.fromkeys(episodes, 0)
     if byte_sizes is None or byte_budget is None:
         raise UsageError("byte_sizes and byte_budget go together: give both or neither")
     check_at_least(1, byte_budget=byte_budget)
-    ids = check_episodes(episodes, byte_sizes, "byte sizes")
-    for episode, count, size in zip(ids, frames, byte_sizes, strict=True):
+    for episode, count, size in zip(episodes, frames, byte_sizes, strict=True):
         if count > 0:
             check_episode_size(episode, size, byte_budget)
-    return {episode: int(size) for episode, size in zip(ids, byte_sizes, strict=True)}
+    return {episode: int(size) for episode, size in zip(episodes, byte_sizes, strict=True)}

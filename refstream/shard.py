@@ -52,15 +52,18 @@ def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> 
     return ids
 
 
-def check_episodes(ids: Sequence[object], counts: Sequence[int],
-                   what: str = "frame counts") -> list[int]:
-    """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` of ``what`` in ``counts``."""
-    if len(ids) != len(counts):
-        raise UsageError(f"{len(ids)} episode ids but {len(counts)} {what}")
+def check_episodes(ids: Sequence[object], **counts: Sequence[int] | None) -> list[int]:
+    """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` in each of ``counts`` given
+    (``frame_counts=frames``: the error says "frame counts")."""
+    given = {name.replace("_", " "): seq for name, seq in counts.items() if seq is not None}
+    for what, seq in given.items():
+        if len(ids) != len(seq):
+            raise UsageError(f"{len(ids)} episode ids but {len(seq)} {what}")
     ids = episode_ids(ids)
-    for episode, count in zip(ids, counts, strict=True):
-        if count < 0:
-            raise UsageError(f"{what} must be non-negative: episode {episode} has {count}")
+    for what, seq in given.items():
+        for episode, count in zip(ids, seq, strict=True):
+            if count < 0:
+                raise UsageError(f"{what} must be non-negative: episode {episode} has {count}")
     return ids
 
 
@@ -69,7 +72,7 @@ def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list
     if parts < 1:
         raise UsageError(f"cannot split episodes into {parts} parts (world_size and num_workers "
                          "must be at least 1)")
-    ids = check_episodes(ids, frames)
+    ids = check_episodes(ids, frame_counts=frames)
     shards: list[list[int]] = [[] for _ in range(parts)]
     # The heap's smallest (load, part) is the least-loaded part, ties to the lowest index.
     loads = [(0, part) for part in range(parts)]
