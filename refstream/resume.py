@@ -146,10 +146,7 @@ def selection_digest(episodes: Sequence[int], frames: Sequence[int]) -> str:
 
 def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int], int]:
     """``(counts, next)`` after ``batches`` batches of workers with ``limits`` (SPEC §3.6)."""
-    check_int(batches, "batches", 0)
     workers = len(limits)
-    if workers == 0:
-        raise UsageError("batches_per_worker needs at least one worker")
     if all(limit is None for limit in limits):
         full, extra = divmod(batches, workers)
         return [full + (w < extra) for w in range(workers)], extra
@@ -167,9 +164,6 @@ def batches_per_worker(batches: int, limits: list[int | None]) -> tuple[list[int
 
 def epoch_batches(world_worker_frames: Sequence[Sequence[int]], batch_size: int) -> int:
     """The batches every rank yields in a finite distributed epoch (SPEC §3.7)."""
-    check_int(batch_size, "batch_size", 1)
-    if not world_worker_frames:
-        raise UsageError("epoch_batches needs at least one rank")
     return min(sum(ceil_div(f, batch_size) for f in rank) for rank in world_worker_frames)
 
 
@@ -189,12 +183,9 @@ def resume_positions(
 ) -> ResumePositions:
     """SPEC §3.6, Worker positions (``rank_batches``: §3.7); ``remainders[i]`` are each worker's
     anchors and the rank's batches of epoch ``epoch + i``, a rest (SPEC §3.9, Positions)."""
-    check_int(batch_size, "batch_size", 1)
     if epoch < 0 or samples < 0:
         raise ResumeError(f"resume epoch {epoch} and offset {samples} must be non-negative")
     _check_whole_batches(samples, batch_size)
-    if not worker_frames or min(worker_frames) < 1:
-        raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
     # One plan per epoch from ``epoch`` on: each worker's anchors and the rank's batches. The
     # rests of the epochs in progress come first; the ordinary plan, last, holds for every later
     # epoch.
@@ -218,8 +209,6 @@ def _finite_positions(plans: list, batch_size: int, epoch: int, batches: int) ->
     epoch reached, each stopping where its turns in that epoch end."""
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
-    if not 1 <= per_epoch[-1] <= sum(limits[-1]):
-        raise UsageError(f"rank_batches {per_epoch[-1]} is not in [1, {sum(limits[-1])}]")
     passed, batches = _walk(batches, per_epoch[:-1], per_epoch[-1])
     plan = min(passed, len(plans) - 1)
     counts, rotation = batches_per_worker(batches, limits[plan])

@@ -256,6 +256,7 @@ class StreamingDataset(IterableDataset):
         if self.batch_size is not None and batch_size != self.batch_size:
             raise TopologyChanged(f"batch size {batch_size} differs from the dataset's "
                                   f"batch_size {self.batch_size}")
+        errors.check_int(batch_size, "batch_size", 1)  # state_dict's, without the dataset's
         return resume.ResumeSetup(
             seed=self.seed if seed is None else seed, strategy=self.sampling_strategy,
             pool_size=self.config.pool_size, byte_budget=self.config.byte_budget,

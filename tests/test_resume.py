@@ -226,10 +226,12 @@ def test_malformed_resume_states(change, match):
 def test_resume_positions_refusals():
     with pytest.raises(ResumeError, match="6 samples is not a whole number of batches of 4"):
         resume_positions([10], 4, epoch=0, samples=6, repeat=True)
+    # Refusals no caller of the library reaches: the conformance adapter checks them.
+    case = {"worker_frames": [10, 0], "batch_size": 4, "epoch": 0, "samples": 0, "repeat": True}
     with pytest.raises(UsageError, match="frames"):
-        resume_positions([10, 0], 4, epoch=0, samples=0, repeat=True)
+        adapters.kind_resume(case)
     with pytest.raises(UsageError, match="rank_batches"):
-        resume_positions([10], 4, epoch=0, samples=0, repeat=False, rank_batches=4)
+        adapters.kind_resume({**case, "worker_frames": [10], "repeat": False, "rank_batches": 4})
 
 
 def test_selection_digest_is_the_sorted_lines_hash():

@@ -724,6 +724,9 @@ def test_a_checkpoint_past_what_the_rank_can_have_yielded_is_refused(resume_root
         dataset.state_dict(100000, batch_size=4, num_workers=2)
     whole = dataset.state_dict(300, batch_size=4, num_workers=2)  # the whole epoch: 75 batches
     assert (whole["epoch"], whole["samples"]) == (1, 0)
+    for repeat in (False, True):  # a dataset without a batch size takes the checkpoint's
+        with pytest.raises(UsageError, match="batch_size must be an integer >= 1, got 0"):
+            StreamingDataset(tmp_path, repeat=repeat).state_dict(0, batch_size=0, num_workers=2)
     # An epoch loop that counts samples from the start of training.
     options = {"seed": 7, "batch_size": BATCH, "return_uint8": True}
     dataset = StreamingDataset(resume_root, **options)

@@ -27,14 +27,14 @@ from requests.structures import CaseInsensitiveDict
 
 from refstream import resume
 from refstream.budget import ByteBudget
-from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
+from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError, check_int
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
 from refstream.meta import load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
-from refstream.shard import rank_share, split_limits, worker_shares
+from refstream.shard import ceil_div, rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
 from refstream.source import LocalSource, check_relpath
 from refstream.synth import (
@@ -136,21 +136,36 @@ def kind_plan(case: dict) -> dict:
     return {"anchors": anchors, "frontier": frontier, "admitted": admitted, "evicted": evicted}
 
 
+# The argument refusals of SPEC §3.6-3.7 that the library's callers never reach are checked here.
+
+
 def kind_batches_per_worker(case: dict) -> dict:
+    check_int(case["batches"], "batches", 0)
+    if not case["limits"]:
+        raise UsageError("batches_per_worker needs at least one worker")
     counts, next_worker = resume.batches_per_worker(case["batches"], case["limits"])
     return {"counts": counts, "next": next_worker}
 
 
 def kind_resume(case: dict) -> dict:
-    positions = resume.resume_positions(case["worker_frames"], case["batch_size"],
-                                        epoch=case["epoch"], samples=case["samples"],
-                                        repeat=case["repeat"],
-                                        rank_batches=case.get("rank_batches"))
+    frames, batch_size = case["worker_frames"], check_int(case["batch_size"], "batch_size", 1)
+    rank_batches = case.get("rank_batches")
+    if not frames or min(frames) < 1:
+        raise UsageError(f"every worker share needs frames, got {frames}")
+    if not (rank_batches is None or 1 <= rank_batches <= sum(ceil_div(f, batch_size)
+                                                             for f in frames)):
+        raise UsageError(f"rank_batches {rank_batches} is not an epoch of these workers")
+    positions = resume.resume_positions(frames, batch_size, epoch=case["epoch"],
+                                        samples=case["samples"], repeat=case["repeat"],
+                                        rank_batches=rank_batches)
     return {"epochs": list(positions.epochs), "offsets": list(positions.offsets),
             "stops": list(positions.stops), "rotation": positions.rotation}
 
 
 def kind_epoch_batches(case: dict) -> dict:
+    check_int(case["batch_size"], "batch_size", 1)
+    if not case["world_worker_frames"]:
+        raise UsageError("epoch_batches needs at least one rank")
     return {"batches": resume.epoch_batches(case["world_worker_frames"], case["batch_size"])}
 
 
