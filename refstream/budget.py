@@ -96,16 +96,14 @@ class ByteBudget:
             return self._reserve_locked(episode, size_bytes, evict=False)
 
     def touch(self, episodes: Iterable[int]) -> None:
-        """Make each reserved one of ``episodes`` in turn the most recently used (so the last is
-        evicted last); the others are skipped."""
+        """Move each reserved one of ``episodes`` in turn to the most recent end; skip others."""
         with self._cond:
             for episode in episodes:
                 if episode in self._table:
                     self._table.move_to_end(episode)
 
     def acquire(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
-        """Reserve, waiting until it fits, and take one lease, atomically; False only when
-        ``timeout_s`` runs out."""
+        """Reserve, waiting until it fits, and take one lease, atomically; False on timeout."""
         with self._cond:
             fits = self._reserve_locked(episode, size_bytes)
             if not fits and (timeout_s is None or timeout_s > 0):
@@ -130,8 +128,7 @@ class ByteBudget:
                 self._cond.notify_all()
 
     def forget(self, episode: int) -> None:
-        """Drop a drained episode's reservation (absent is fine); UsageError while it is leased
-        or its fetch is in flight."""
+        """Drop a drained episode's reservation; UsageError while leased or its fetch in flight."""
         with self._cond:
             entry = self._table.get(episode)
             if entry is None or self._closed:
