@@ -373,8 +373,7 @@ def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[i
     """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (SPEC
     §3.9); under a byte budget ``byte_sizes`` (of every episode) are needed, else UsageError."""
     if state.setup.byte_budget is not None and byte_sizes is None:
-        raise UsageError("replaying workers under a byte budget needs the byte sizes of every "
-                         "episode")
+        raise UsageError("replaying workers under a byte budget needs every episode's byte sizes")
     delivered = Delivered(state.epoch)
     for segment in state.history:
         topology = {name: getattr(segment, name) for name in TOPOLOGY}
