@@ -55,12 +55,11 @@ def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> 
 def check_episodes(ids: Sequence[object], **counts: Sequence[int] | None) -> list[int]:
     """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` in each of ``counts`` given
     (``frame_counts=frames``: the error says "frame counts")."""
+    ids = episode_ids(ids)
     given = {name.replace("_", " "): seq for name, seq in counts.items() if seq is not None}
     for what, seq in given.items():
         if len(ids) != len(seq):
             raise UsageError(f"{len(ids)} episode ids but {len(seq)} {what}")
-    ids = episode_ids(ids)
-    for what, seq in given.items():
         for episode, count in zip(ids, seq, strict=True):
             if count < 0:
                 raise UsageError(f"{what} must be non-negative: episode {episode} has {count}")
