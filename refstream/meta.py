@@ -295,9 +295,7 @@ def _format_path(template: str, name: str, **values: object) -> str:
 def _read_episodes(source: Source, info: dict,
                    camera_keys: list[str]) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
     """The episode columns of every episodes file, concatenated, and each file's row count."""
-    wanted = list(EPISODE_COLUMNS)
-    for key in camera_keys:
-        wanted += [f"videos/{key}/{name}" for name in VIDEO_COLUMNS]
+    wanted = [*EPISODE_COLUMNS, *(f"videos/{k}/{n}" for k in camera_keys for n in VIDEO_COLUMNS)]
     total = info["total_episodes"]
     # Each column starts as an empty array of its type: with no episodes it is that array.
     parts = {c: [np.zeros(0, np.float64 if c.endswith("timestamp") else np.int64)] for c in wanted}
