@@ -243,12 +243,10 @@ def _not_json(token: str) -> None:
 def _check_version(info: dict) -> None:
     version = info.get("codebase_version")
     storage = info.get("storage_format", "parquet")
-    if storage == "lance":
-        raise UnsupportedDataset(f"{INFO_PATH}: LeRobot {version} dataset with storage_format "
-                                 "'lance' (a Lance table, read by lerobot-lancedb); refstream "
-                                 "reads only Parquet + MP4 layouts")
     if storage != "parquet":
-        raise UnsupportedDataset(f"{INFO_PATH}: unknown storage_format {storage!r}")
+        kind = "a Lance table's (read by lerobot-lancedb)" if storage == "lance" else "unknown"
+        raise UnsupportedDataset(f"{INFO_PATH}: {kind} storage_format {storage!r}; refstream "
+                                 "reads only Parquet + MP4 layouts")
     if not isinstance(version, str):
         raise MalformedDataset(f"{INFO_PATH}: codebase_version missing or not a string")
     if version != SUPPORTED_VERSION:
