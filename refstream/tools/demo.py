@@ -571,27 +571,25 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
             size = stat.st_size
             headers = {"ETag": f'"{size:x}-{stat.st_mtime_ns:x}"', "Accept-Ranges": "bytes",
                        "Content-Type": "application/octet-stream"}
+            status, first, last = HTTPStatus.OK, 0, size - 1
             range_header = self.headers.get("Range")
-            if range_header is None or "," in range_header:
-                # No range, or several: RFC 9110 lets a server ignore Range and send it all.
-                headers["Content-Length"] = str(size)
-                self._finish(HTTPStatus.OK, headers, path.read_bytes() if send_body else b"",
-                             send_body)
-                return
-            bounds = _parse_range(range_header, size)
-            if bounds is None:
-                headers["Content-Range"] = f"bytes */{size}"
-                self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"", send_body)
-                return
-            first, last = bounds
+            # No range, or several: RFC 9110 lets a server ignore Range and send it all.
+            if range_header is not None and "," not in range_header:
+                bounds = _parse_range(range_header, size)
+                if bounds is None:
+                    headers["Content-Range"] = f"bytes */{size}"
+                    self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"",
+                                 send_body)
+                    return
+                status, (first, last) = HTTPStatus.PARTIAL_CONTENT, bounds
+                headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+            headers["Content-Length"] = str(last - first + 1)
             body = b""
             if send_body:
                 with path.open("rb") as handle:
                     handle.seek(first)
                     body = handle.read(last - first + 1)
-            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-            headers["Content-Length"] = str(last - first + 1)
-            self._finish(HTTPStatus.PARTIAL_CONTENT, headers, body, send_body)
+            self._finish(status, headers, body, send_body)
 
     return Handler
 
@@ -652,30 +650,29 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None if dataset.batched else
                                          batch_size, num_workers=num_workers)
-    total = dataset.rank_frames * epochs
-    with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
-              dynamic_ncols=True) as bar:
-        samples = batches = 0
-        first_s = None
-        start = time.perf_counter()
+    limit = float("inf") if max_samples is None else max_samples
+    samples = batches = 0
+    first_s = None
+    start = time.perf_counter()
+    with tqdm(total=min(dataset.rank_frames * epochs, limit), unit="sample",
+              disable=not progress, dynamic_ncols=True) as bar:
         for epoch in range(epochs):
             dataset.set_epoch(epoch)
             batches_of_epoch = iter(loader)
             for batch in batches_of_epoch:
                 if first_s is None:
                     first_s = time.perf_counter() - start
-                count = len(batch["index"]) if "index" in batch else batch_size
-                if max_samples is not None:
-                    count = min(count, max_samples - samples)
+                count = min(len(batch["index"]) if "index" in batch else batch_size,
+                            limit - samples)
                 samples += count
                 batches += 1
                 bar.update(count)
                 if on_batch is not None:
                     on_batch(batch)
-                if max_samples is not None and samples >= max_samples:
+                if samples >= limit:
                     break
             del batches_of_epoch  # shuts the workers down
-            if max_samples is not None and samples >= max_samples:
+            if samples >= limit:
                 break
     seconds = time.perf_counter() - start
     return StreamMeasurement(samples, batches, seconds, first_s or 0.0)
