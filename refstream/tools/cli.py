@@ -69,6 +69,11 @@ _COMMON.add_argument("-v", "--verbose", action="store_true", default=argparse.SU
                      help=VERBOSE_HELP)
 NUM_WORKERS = 2  # DataLoader workers of demo, stream and plan
 
+_JSON = argparse.ArgumentParser(add_help=False)
+_JSON.add_argument("--json", action="store_true", help="print the result as JSON")
+_ROOT = argparse.ArgumentParser(add_help=False)
+_ROOT.add_argument("root", help=ROOT_HELP)
+
 # The DataLoader of demo and stream.
 _LOADER = argparse.ArgumentParser(add_help=False)
 _LOADER.add_argument("--num-workers", type=int, default=NUM_WORKERS, help="DataLoader workers")
@@ -76,8 +81,7 @@ _LOADER.add_argument("--batch-size", type=int, default=8, help="DataLoader batch
 _LOADER.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 # The dataset and its order, as stream and plan take them (StreamingDataset's argument names).
-_ORDER = argparse.ArgumentParser(add_help=False)
-_ORDER.add_argument("root", help=ROOT_HELP)
+_ORDER = argparse.ArgumentParser(add_help=False, parents=[_ROOT])
 _ORDER.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
 _ORDER.add_argument("--seed", type=int, help="order seed (default: 42)")
 _ORDER.add_argument("--strategy", dest="sampling_strategy", default="pool",
@@ -95,12 +99,6 @@ def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Name
                                    formatter_class=_Formatter, parents=[_COMMON, *parents])
     parser.set_defaults(parser=parser, run=run, passthrough=False)
     return parser
-
-
-def one_line(exc: BaseException) -> str:
-    """``Class: message`` of a refstream error, on one line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             if exc.worker_traceback:
                 print(f"in the DataLoader worker:\n{exc.worker_traceback}", file=sys.stderr)
-        print(f"refstream {args.command}: {one_line(exc)}", file=sys.stderr)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"refstream {args.command}: {type(exc).__name__}: {first_line}", file=sys.stderr)
         return 2
 
 
@@ -163,7 +162,7 @@ def run_conformance(args) -> int:
 def add_demo(subparsers) -> None:
     p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
                  "stream one epoch and verify every frame", run_demo, [_LOADER])
-    p.add_argument("--keep", "--workdir", dest="workdir", metavar="DIR",
+    p.add_argument("--keep", dest="workdir", metavar="DIR",
                    help="write the dataset into DIR and keep it (default: a temporary folder, "
                    "removed at the end)")
 
@@ -181,7 +180,7 @@ def run_demo(args) -> int:
 
 def add_stream(subparsers) -> None:
     p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it",
-                 run_stream, [_ORDER, _LOADER])
+                 run_stream, [_ORDER, _LOADER, _JSON])
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
     p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
     p.add_argument("--delta-timestamps", metavar="JSON",
@@ -197,7 +196,6 @@ def add_stream(subparsers) -> None:
                    help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
     p.add_argument("--batched", action="store_true",
                    help="each worker yields ready batches (the fastest path)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 # The stream options that are StreamingDataset arguments of the same name.
@@ -231,14 +229,13 @@ def run_stream(args) -> int:
 
 def add_plan(subparsers) -> None:
     p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order",
-                 run_plan, [_ORDER])
+                 run_plan, [_ORDER, _JSON])
     p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
     p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
     p.add_argument("--num-workers", type=int, default=NUM_WORKERS,
                    help="DataLoader workers per rank")
     p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
     p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run_plan(args) -> int:
@@ -309,12 +306,11 @@ def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size:
 
 
 def add_index(subparsers) -> None:
-    p = _command(subparsers, "index", "build or refresh the video index of a dataset", run_index)
-    p.add_argument("root", help=ROOT_HELP)
+    p = _command(subparsers, "index", "build or refresh the video index of a dataset", run_index,
+                 [_ROOT, _JSON])
     p.add_argument("--output", help="also write the publishable index here; a maintainer "
                    "uploads it to the dataset as meta/refstream-index.npz")
     p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run_index(args) -> int:
@@ -435,18 +431,15 @@ def run_inspect(args) -> int:
 def add_doctor(subparsers) -> None:
     p = _command(subparsers, "doctor",
                  "check a dataset before training on it (exit 0: safe to train, 1: not)",
-                 run_doctor)
-    p.add_argument("root", help=ROOT_HELP)
+                 run_doctor, [_ROOT, _JSON])
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
     p.add_argument("--decode", choices=("keyframes", "all"), default="keyframes",
                    help="decode every keyframe alone, or every frame the rows request")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_doctor(args) -> int:
-
     from refstream.source import open_source
     from refstream.tools.doctor import check_dataset, unreadable
 
@@ -467,7 +460,7 @@ def run_doctor(args) -> int:
 def add_bench(subparsers) -> None:
     p = _command(subparsers, "bench",
                  "measure refstream side by side with map-style reading and the decode "
-                 "ceiling, and its memory", run_bench)
+                 "ceiling, and its memory", run_bench, [_JSON])
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
     p.add_argument("--quick", action="store_true",
                    help="a tiny configuration that runs in seconds")
@@ -487,7 +480,6 @@ def add_bench(subparsers) -> None:
     p.add_argument("--resolution", help=_bench_default("WxH of every camera", "width", "height"))
     p.add_argument("--codec", choices=["av1", "h264"],
                    help=_bench_default("codec of the generated videos", "codec"))
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
     p.add_argument("--scale", choices=["droid"],
                    help="instead: index build, construction and worker memory on a DROID-sized "
@@ -513,7 +505,6 @@ def _bench_progress(message: str) -> None:
 
 
 def run_bench(args) -> int:
-
     from refstream.tools.bench import BenchConfig, plot
     from refstream.tools.bench import run_bench as bench
 
