@@ -1,21 +1,6 @@
 """The ways people load LeRobot video data today, written here as ``refstream bench``'s
-baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot rule,
-``refstream.worker.hf_to_torch``):
-
-``MapStyleVideoDataset(root, delta_timestamps)``
-    A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
-    backend: every data Parquet file read into numpy arrays up front (as LeRobot loads its Arrow
-    tables); per item, the anchor's rows and windows by LeRobot's rule (``refstream.windows``)
-    and, per camera, :func:`decode_like_lerobot`. Items carry ``bench.decoded_frames`` (int64)
-    so the bench can count decodes.
-
-``decode_ceiling(root, meta, processes)`` -> :class:`Ceiling`
-    Sequential PyAV decode of every episode of every camera, converting each frame to FFmpeg's
-    rgb24 (one reused single-threaded converter; ``refstream.decode``'s frames equal it, read
-    from planar output where that is the same), in ``processes`` processes: what decoding alone
-    costs, no loader around it.
-
-``cpu_seconds()``: user + system CPU of this process and its reaped children (``os.times``).
+baselines: PyAV, no refstream streaming; rows become tensors by the one LeRobot rule
+(``refstream.worker.hf_to_torch``).
 """
 
 from __future__ import annotations
@@ -46,6 +31,7 @@ TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
 
 
 def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
@@ -81,7 +67,11 @@ def decode_like_lerobot(path: str, times_s: np.ndarray,
 
 
 class MapStyleVideoDataset:
-    """The map-style baseline (module docstring)."""
+    """Reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video backend: every data
+    Parquet file read into numpy arrays up front (as LeRobot loads its Arrow tables); per item,
+    the anchor's rows and windows by LeRobot's rule (``refstream.windows``) and, per camera,
+    :func:`decode_like_lerobot`. Items carry ``bench.decoded_frames`` (int64) so the bench can
+    count decodes."""
 
     def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]]) -> None:
         self.root = Path(root)
@@ -181,8 +171,10 @@ class Ceiling:
 
 
 def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
-    """The ceiling (module docstring), episodes dealt round-robin to the processes (the
-    DataLoader's worker count; at least one)."""
+    """What decoding alone costs, no loader around it: every episode of every camera decoded
+    with PyAV and each frame converted to FFmpeg's rgb24 (one reused single-threaded converter;
+    ``refstream.decode``'s frames equal it), episodes dealt round-robin to ``processes``
+    processes (the DataLoader's worker count; at least one)."""
     jobs = [(str(root / meta.video_relpath(int(e), camera)),
              float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
             for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]

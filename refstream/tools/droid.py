@@ -2,12 +2,6 @@
 fast-forward, an elastic resume and batch mixing, on synthetic episode lengths
 (:func:`droid_lengths`) without any video; and the Hub resolves a DROID-sized run would make
 (:func:`hub_resolves`).
-
-Use::
-
-    figures = planner_figures(config, bytes_per_frame)   # config: a bench.BenchConfig
-    mixing = batch_mixing(episodes, frames, config, "pool", MIXING_BATCHES)
-    resolves = hub_resolves(config)
 """
 
 from __future__ import annotations
