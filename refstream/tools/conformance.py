@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -26,7 +25,7 @@ from refstream.errors import UsageError
 from refstream.tools.adapters import ADAPTERS, FIXTURES_DIR, answer
 
 __all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_runner", "load_cases",
-           "first_difference", "run", "via_command", "in_process"]
+           "first_difference", "in_process"]
 
 
 def fixtures_folder(path: str | Path | None = None) -> Path:
@@ -64,16 +63,6 @@ def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list:
 def first_difference(expected, actual) -> str | None:
     """The runner's comparison rule (``spec/README.md``, "Comparing answers")."""
     return load_runner().first_difference(expected, actual)
-
-
-def run(cases: list, ask: Callable) -> list:
-    """Every case's outcome (``.case``, ``.difference``) through ``ask``."""
-    return list(load_runner(cases[0].root).run(cases, ask)) if cases else []
-
-
-def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable:
-    """Ask an implementation command, one process per case, run inside ``fixtures``."""
-    return load_runner(fixtures).via_command(command, fixtures)
 
 
 def in_process(case) -> dict:
