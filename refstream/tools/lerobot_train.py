@@ -39,6 +39,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import accelerate
 from lerobot.datasets import factory
@@ -60,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``lerobot-train`` with ``argv`` (its own flags) on ``StreamingDataset``."""
     sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # LeRobot parses these
     run = _Run()
-    with _patched(lerobot_train, make_train_eval_datasets=run.make_datasets,
-                  save_checkpoint=run.save_checkpoint), \
-            _patched(accelerate.Accelerator, end_training=_end_training,
-                     prepare_data_loader=lambda accelerator, loader, *args, **kwargs:
-                     run.prepare_data_loader(accelerator, loader, *args, **kwargs)):
+    with mock.patch.multiple(lerobot_train, make_train_eval_datasets=run.make_datasets,
+                             save_checkpoint=run.save_checkpoint), \
+            mock.patch.multiple(accelerate.Accelerator, end_training=_end_training,
+                                prepare_data_loader=lambda accelerator, loader, *args, **kwargs:
+                                run.prepare_data_loader(accelerator, loader, *args, **kwargs)):
         lerobot_train.main()
     return 0
 
@@ -116,8 +117,8 @@ class _Run:
                 tolerance_s=tolerance_s, return_uint8=return_uint8, seed=cfg.seed,
                 batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-        with _patched(factory, LeRobotDatasetMetadata=metadata, LeRobotDataset=dataset,
-                      StreamingLeRobotDataset=dataset):
+        with mock.patch.multiple(factory, LeRobotDatasetMetadata=metadata,
+                                 LeRobotDataset=dataset, StreamingLeRobotDataset=dataset):
             train, evaluation = factory.make_train_eval_datasets(cfg)
         made = [train] if evaluation is None else [train, evaluation]
         workers = min([cfg.num_workers, *(len(_rank_episodes(d)) for d in made)])
@@ -196,19 +197,6 @@ class _Loader:
 def _rank_episodes(dataset: StreamingDataset) -> list[int]:
     frames = [dataset.meta.frames(e) for e in dataset.episodes]
     return shard.rank_share(dataset.episodes, frames, dataset.rank, dataset.world_size)
-
-
-@contextlib.contextmanager
-def _patched(owner, **replacements) -> Iterator[None]:
-    """``owner``'s attributes replaced while the block runs, restored after it."""
-    saved = {name: getattr(owner, name) for name in replacements}
-    for name, value in replacements.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(owner, name, value)
 
 
 if __name__ == "__main__":
