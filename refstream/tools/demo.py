@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refstream.meta import next_file
+from refstream.meta import EPISODES_PATH
 
 __all__ = ["TASKS", "LABEL_TOLERANCE", "write_demo_dataset", "frame_picture", "read_frame_label",
            "info_document", "LoopbackServer", "serve_directory", "environment",
@@ -300,14 +300,12 @@ def _tasks_table() -> pa.Table:
     return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
 
 
-def _file_indices(count: int, per_file: int) -> list[tuple[int, int]]:
-    """(chunk, file) of each of ``count`` episodes placed ``per_file`` to a file."""
-    out, chunk, file = [], 0, 0
-    for episode in range(count):
-        if episode and episode % per_file == 0:
-            chunk, file = next_file(chunk, file, CHUNKS_SIZE)
-        out.append((chunk, file))
-    return out
+def file_place(numbers, key: str = "") -> dict:
+    """``chunk_index`` and ``file_index`` of file ``numbers`` (counted over every chunk, as
+    LeRobot rolls files over), prefixed by ``key/`` when given (episodes table columns)."""
+    prefix = f"{key}/" if key else ""
+    return {f"{prefix}chunk_index": numbers // CHUNKS_SIZE,
+            f"{prefix}file_index": numbers % CHUNKS_SIZE}
 
 
 # --- the dataset ----------------------------------------------------------------------------
@@ -335,9 +333,10 @@ def write_demo_dataset(root: str | os.PathLike, *,
     root = Path(root)
     features = _features(sizes, fps, codec, gop, bframes)
     first_index = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    data_files = _file_indices(len(lengths), episodes_per_data_file)
-    video_files = _file_indices(len(lengths), episodes_per_video_file)
-    meta_files = _file_indices(len(lengths), episodes_per_meta_file or len(lengths))
+    # Each episode's file number: the episodes fill files in order, so many to a file.
+    data_files = np.arange(len(lengths)) // episodes_per_data_file
+    video_files = np.arange(len(lengths)) // episodes_per_video_file
+    meta_files = np.arange(len(lengths)) // (episodes_per_meta_file or len(lengths))
     rows = [_episode_rows(e, n, int(first_index[e]), fps) for e, n in enumerate(lengths)]
 
     _write_data(root, rows, data_files, features)
@@ -371,39 +370,35 @@ def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
     return features
 
 
-def _write_data(root: Path, rows: list[dict], data_files: list[tuple[int, int]],
-                features: dict) -> None:
+def _write_data(root: Path, rows: list[dict], data_files: np.ndarray, features: dict) -> None:
     schema = _data_schema(features)
-    for chunk_file in sorted(set(data_files)):
-        path = root / DATA_PATH.format(chunk_index=chunk_file[0], file_index=chunk_file[1])
+    for number in sorted(set(data_files.tolist())):
+        path = root / DATA_PATH.format(**file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
         # One write_table per episode: one row group per episode, like LeRobot's recorder.
         with pq.ParquetWriter(path, schema, compression="snappy") as writer:
-            for episode, placed in enumerate(data_files):
-                if placed == chunk_file:
-                    columns = [fixed_size_lists(rows[episode][name]) for name in schema.names]
-                    writer.write_table(pa.Table.from_arrays(columns, schema=schema))
+            for episode in np.flatnonzero(data_files == number).tolist():
+                columns = [fixed_size_lists(rows[episode][name]) for name in schema.names]
+                writer.write_table(pa.Table.from_arrays(columns, schema=schema))
 
 
 def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, int]], fps: int,
-                  codec: str, options: dict[str, str], video_files: list[tuple[int, int]]) -> None:
+                  codec: str, options: dict[str, str], video_files: np.ndarray) -> None:
     for camera, (width, height) in sizes.items():
-        for chunk_file in sorted(set(video_files)):
-            members = [e for e, placed in enumerate(video_files) if placed == chunk_file]
+        for number in sorted(set(video_files.tolist())):
+            members = np.flatnonzero(video_files == number).tolist()
             videos = [
                 _encode_episode([frame_picture(e, f, width, height) for f in range(lengths[e])],
                                 fps, options, codec)
                 for e in members
             ]
-            path = root / VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0],
-                                            file_index=chunk_file[1])
+            path = root / VIDEO_PATH.format(video_key=camera, **file_place(number))
             _concatenate(videos, [lengths[e] for e in members], fps, path)
 
 
 def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.ndarray,
-                    rows: list[dict], data_files: list[tuple[int, int]],
-                    video_files: list[tuple[int, int]], meta_files: list[tuple[int, int]],
-                    sizes: dict[str, tuple[int, int]]) -> None:
+                    rows: list[dict], data_files: np.ndarray, video_files: np.ndarray,
+                    meta_files: np.ndarray, sizes: dict[str, tuple[int, int]]) -> None:
     # Each episode's (from_s, to_s) in its video file: it starts where the previous one ended.
     times = []
     for e, placed in enumerate(video_files):
@@ -413,29 +408,25 @@ def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.nd
         "episode_index": list(range(len(lengths))),
         "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],
         "length": lengths,
-        "data/chunk_index": [c for c, _ in data_files],
-        "data/file_index": [f for _, f in data_files],
+        **file_place(data_files, "data"),
         "dataset_from_index": first_index[:-1].tolist(),
         "dataset_to_index": first_index[1:].tolist(),
     }
     for camera in sizes:
-        columns[f"videos/{camera}/chunk_index"] = [c for c, _ in video_files]
-        columns[f"videos/{camera}/file_index"] = [f for _, f in video_files]
+        columns |= file_place(video_files, f"videos/{camera}")
         columns[f"videos/{camera}/from_timestamp"] = [t[0] for t in times]
         columns[f"videos/{camera}/to_timestamp"] = [t[1] for t in times]
     per_episode = [_episode_stats(r, sizes) for r in rows]
     for name in per_episode[0]:
         for stat in per_episode[0][name]:
             columns[f"stats/{name}/{stat}"] = [s[name][stat].tolist() for s in per_episode]
-    columns["meta/episodes/chunk_index"] = [c for c, _ in meta_files]
-    columns["meta/episodes/file_index"] = [f for _, f in meta_files]
+    columns |= file_place(meta_files, "meta/episodes")
     types = {"tasks": pa.list_(pa.string())}
     table = pa.table({k: pa.array(v, type=types.get(k)) for k, v in columns.items()})
-    for chunk, file in sorted(set(meta_files)):
-        rows_of_file = [e for e, placed in enumerate(meta_files) if placed == (chunk, file)]
-        path = root / "meta" / "episodes" / f"chunk-{chunk:03d}" / f"file-{file:03d}.parquet"
+    for number in sorted(set(meta_files.tolist())):
+        path = root / EPISODES_PATH.format(**file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table.take(rows_of_file), path)
+        pq.write_table(table.take(np.flatnonzero(meta_files == number)), path)
 
 
 def _episode_stats(rows: dict[str, np.ndarray],
