@@ -70,6 +70,7 @@ MOVIE_TIMESCALE = 1000  # FFmpeg's mvhd timescale
 AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
 FACTS = "simulation.json"  # write_simulation's facts, beside meta/
 HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
+SMAPS_FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty")  # what a memory figure sums
 TRACED_FRAMES = 64  # deep enough that numpy's allocations still show the sidecar frame calling
 HUB_REPO = "refstream/droid-sim"  # the emulated Hub's dataset: hf://datasets/HUB_REPO
 HUB_COMMIT = hashlib.sha1(b"refstream droid simulation").hexdigest()  # its one commit
@@ -167,13 +168,6 @@ def _rollover(item_bytes: np.ndarray, limit: int) -> np.ndarray:
     return numbers
 
 
-def _place(numbers, key: str = "") -> dict:
-    """``chunk_index`` and ``file_index`` of file ``numbers`` (LeRobot's rollover), prefixed by
-    ``key/`` when given (episodes table columns)."""
-    return {f"{key}/chunk_index" if key else "chunk_index": numbers // demo.CHUNKS_SIZE,
-            f"{key}/file_index" if key else "file_index": numbers % demo.CHUNKS_SIZE}
-
-
 def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> dict:
     """Write the simulation of ``config`` under ``root`` (module docstring); return its facts,
     also kept in ``root/simulation.json``."""
@@ -187,7 +181,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
     rng = np.random.default_rng(config.seed)
     columns = {"episode_index": np.arange(config.episodes), "length": lengths,
                "tasks": pa.array([[demo.TASKS[e % 2]] for e in range(config.episodes)]),
-               **_place(_rollover(lengths * DATA_ROW_BYTES, 100 * MIB), "data"),
+               **demo.file_place(_rollover(lengths * DATA_ROW_BYTES, 100 * MIB), "data"),
                "dataset_from_index": first[:-1], "dataset_to_index": first[1:]}
     videos = []
     for camera in CAMERAS:
@@ -196,7 +190,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
         file_of = _rollover(np.add.reduceat(sizes, first[:-1], dtype=np.int64),
                             config.video_file_mb * MIB)
         opens = first[:-1][np.flatnonzero(np.diff(file_of, prepend=-1))]  # each file's 1st frame
-        columns |= {**_place(file_of, f"videos/{camera}"),
+        columns |= {**demo.file_place(file_of, f"videos/{camera}"),
                     f"videos/{camera}/from_timestamp": (first[:-1] - opens[file_of]) / FPS,
                     f"videos/{camera}/to_timestamp": (first[1:] - opens[file_of]) / FPS}
         videos += [(camera, n, sizes[a:b], keyframe[a:b])
@@ -213,9 +207,9 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
     table = pa.table(columns)
     per_file = max(1, 100 * MIB * table.num_rows // table.nbytes)  # ~100 MB files, as LeRobot
     numbers = np.arange(table.num_rows) // per_file
-    for key, values in _place(numbers, "meta/episodes").items():
+    for key, values in demo.file_place(numbers, "meta/episodes").items():
         table = table.append_column(key, pa.array(values))
-    parts = [(EPISODES_PATH.format(**_place(n)), table.slice(n * per_file, per_file))
+    parts = [(EPISODES_PATH.format(**demo.file_place(n)), table.slice(n * per_file, per_file))
              for n in range(int(numbers[-1]) + 1)] + [(TASKS_PATH, demo._tasks_table())]
     for relpath, part in parts:
         (root / relpath).parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +219,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
         features, FPS, config.episodes, frames, "refstream_droid_simulation",
         config.video_file_mb)))
     for camera, number, sizes, flags in tqdm(videos, unit="file", disable=not progress):
-        path = root / demo.VIDEO_PATH.format(video_key=camera, **_place(number))
+        path = root / demo.VIDEO_PATH.format(video_key=camera, **demo.file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_sparse_mp4(path, sizes, flags, FPS)
     facts = {"episodes": config.episodes, "frames": frames, "cameras": len(CAMERAS),
@@ -372,12 +366,14 @@ def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place
     return Place(*figures)
 
 
-def _rollup(pid: int) -> tuple[int, int, int]:
-    """RSS, PSS and private bytes (``Private_Clean + Private_Dirty``) of ``pid``."""
-    fields = kib_fields(f"/proc/{pid}/smaps_rollup",
-                        ("Rss", "Pss", "Private_Clean", "Private_Dirty")) or {}
+def _memory(fields: dict[str, int]) -> tuple[int, int, int]:
+    """RSS, PSS and private bytes (``Private_Clean + Private_Dirty``) of smaps ``fields``."""
     private = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
     return fields.get("Rss", 0), fields.get("Pss", 0), private
+
+
+def _rollup(pid: int) -> tuple[int, int, int]:
+    return _memory(kib_fields(f"/proc/{pid}/smaps_rollup", SMAPS_FIELDS) or {})
 
 
 def _note_start(start, worker_id: int) -> None:
@@ -434,11 +430,10 @@ def _worker(pid: int, private_at_start: int, folder: Path) -> tuple[WorkerMemory
     yet measured (0); and the paths of those records."""
     records = _mapped_records(pid, os.path.realpath(folder) + os.sep)
     index = {name: sum(fields.get(name, 0) for fields in records.values())
-             for name in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
+             for name in SMAPS_FIELDS}
     rss, pss, private = _rollup(pid)
     return WorkerMemory(rss, pss, private, private - private_at_start, len(records),
-                        index["Rss"], index["Pss"],
-                        index["Private_Clean"] + index["Private_Dirty"], 0), frozenset(records)
+                        *_memory(index), 0), frozenset(records)
 
 
 def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> list[WorkerMemory]:
