@@ -321,20 +321,12 @@ def kind_row_group_candidates(case: dict) -> dict:
 def kind_budget_ops(case: dict) -> dict:
     """Kind ``budget_ops`` (SPEC §8.7); ``acquire`` gets a zero timeout, so it never waits."""
     budget = ByteBudget(case["budget_bytes"])
-    calls = {
-        "try_reserve": lambda e, n: budget.try_reserve(e, n),
-        "acquire": lambda e, n: budget.acquire(e, n, timeout_s=0),
-        "release": lambda e, n: budget.release(e),
-        "claim_fetch": lambda e, n: budget.claim_fetch(e),
-        "mark_resident": lambda e, n: budget.mark_resident(e, n),
-        "mark_fetched": lambda e, n: budget.mark_fetched(e),
-        "forget": lambda e, n: budget.forget(e),
-        "close": lambda e, n: budget.close(),
-    }
     results, evicted = [], []
-    for name, episode, *size in case["ops"]:
+    for name, episode, *size in case["ops"]:  # an op is the budget's method of that name
+        arguments = () if name == "close" else (episode, *size)
         try:
-            results.append(calls[name](episode, size[0] if size else 0))
+            results.append(getattr(budget, name)(*arguments, **(
+                {"timeout_s": 0} if name == "acquire" else {})))
         except (BudgetError, UsageError) as exc:
             results.append({"error": type(exc).__name__})
         evicted.append(budget.take_evicted())
