@@ -388,15 +388,13 @@ def run_inspect(args) -> int:
 
     if "://" in args.file:
         raise UsageError(f"{args.file}: inspect reads local MP4 files; download it first")
-    head = b""
-    with contextlib.suppress(OSError), open(args.file, "rb") as f:
-        head = f.read(8)
-    box_type = head[4:].decode("latin-1")  # an MP4 starts with a box: size, then its type
-    if len(head) == 8 and not (box_type.isascii() and box_type.isalnum()):
-        raise UsageError(f"{args.file}: not an MP4 file (it starts with {head!r}): inspect reads "
-                         "local MP4 files")
     try:
         with open(args.file, "rb") as f:
+            head = f.read(8)
+            box_type = head[4:].decode("latin-1")  # an MP4 starts with a box: size, then its type
+            if len(head) == 8 and not (box_type.isascii() and box_type.isalnum()):
+                raise UsageError(f"{args.file}: not an MP4 file (it starts with {head!r}): "
+                                 "inspect reads local MP4 files")
             report = describe(lambda offset, length: os.pread(f.fileno(), length, offset),
                               os.fstat(f.fileno()).st_size, args.file)
     except OSError as exc:
