@@ -159,11 +159,9 @@ def kind_resume_state(case: dict) -> dict:
     saved = dict(case["saved"])
     if "seed" in saved:
         saved["seed"] = decode_u64(saved["seed"])
-    current = resume.ResumeSetup(**{**case["current"],
-                                    "seed": decode_u64(case["current"]["seed"])})
+    current = resume.ResumeSetup(**{**case["current"], "seed": decode_u64(case["current"]["seed"])})
     state = resume.ResumeState.from_dict(saved).resume_with(current)
-    return {"epoch": state.epoch, "samples": state.samples,
-            "history": state.to_dict()["history"]}
+    return {"epoch": state.epoch, "samples": state.samples, "history": state.to_dict()["history"]}
 
 
 def kind_elastic_resume(case: dict) -> dict:

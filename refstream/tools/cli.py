@@ -460,8 +460,7 @@ def add_bench(subparsers) -> None:
                  "measure refstream side by side with map-style reading and the decode "
                  "ceiling, and its memory", run_bench, [_JSON])
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny configuration that runs in seconds")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration that runs in seconds")
     for name, kind, text in (
             ("episodes", int, "episodes of the generated dataset"),
             ("frames-per-episode", int, "frames of each generated episode"),

@@ -602,8 +602,7 @@ def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
     state = LoopbackServer(root=Path(root))
     server = _LoopbackHTTPServer(("127.0.0.1", 0), _handler_class(state))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback",
-                              daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback", daemon=True)
     thread.start()
     try:
         yield state

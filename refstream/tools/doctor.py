@@ -239,8 +239,7 @@ def episode_tiling(episode_index: np.ndarray, from_index: np.ndarray, to_index: 
 
 def _check_boundaries(meta: DatasetMeta) -> Check:
     problems = _Problems()
-    tiling = episode_tiling(meta.episode_index, meta.from_index, meta.to_index,
-                            meta.total_frames)
+    tiling = episode_tiling(meta.episode_index, meta.from_index, meta.to_index, meta.total_frames)
     faults = [(start, f"gap: frames [{start}, {end}) belong to no episode ("
                + (f"after episode {before}" if before is not None else "at the start")
                + (f", before episode {after})" if after is not None else ", at the end)"))
@@ -424,8 +423,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             if seconds is None:
                 seconds = np.arange(meta.frames(episode), dtype=np.float64) / meta.fps
             requests += len(seconds)
-            problem = _episode_video_problem(meta, indexes, episode, camera, seconds,
-                                             tolerance_s)
+            problem = _episode_video_problem(meta, indexes, episode, camera, seconds, tolerance_s)
             if problem is not None:
                 problems.add(f"episode {episode}, camera {camera}, {relpath}: {problem}")
     return problems.check(

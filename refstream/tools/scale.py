@@ -250,8 +250,7 @@ def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[s
         for path in sorted((root / folder).rglob("*")):
             relpath = str(path.relative_to(root))
             if path.is_dir():
-                entries.append({"type": "directory", "oid": "0" * 40, "size": 0,
-                                "path": relpath})
+                entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": relpath})
                 continue
             size = path.stat().st_size
             oid = hashlib.sha256(f"{relpath} {size}".encode()).hexdigest()
@@ -429,8 +428,7 @@ def _worker(pid: int, private_at_start: int, folder: Path) -> tuple[WorkerMemory
     """``pid``'s memory and that of the index records (in ``folder``) it maps, their heap not
     yet measured (0); and the paths of those records."""
     records = _mapped_records(pid, os.path.realpath(folder) + os.sep)
-    index = {name: sum(fields.get(name, 0) for fields in records.values())
-             for name in SMAPS_FIELDS}
+    index = {name: sum(fields.get(name, 0) for fields in records.values()) for name in SMAPS_FIELDS}
     rss, pss, private = _rollup(pid)
     return WorkerMemory(rss, pss, private, private - private_at_start, len(records),
                         *_memory(index), 0), frozenset(records)
@@ -509,8 +507,7 @@ class ScaleReport:
                   *((f"worker {n} (HTTP)", w) for n, w in enumerate(self.workers))]
         out += [f"{label}: " + ", ".join(f"{k} {_shown(k, v)}" for k, v in asdict(g).items())
                 for label, g in groups]
-        out += [f"[{t.verdict}] {t.text}: {t.measured}"
-                for t in self.targets]
+        out += [f"[{t.verdict}] {t.text}: {t.measured}" for t in self.targets]
         return [*out, f"scale took {self.seconds:.0f} s"]
 
 
@@ -564,5 +561,4 @@ def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None
     report = ScaleReport(config, str(root), json.loads((root / FACTS).read_text()),
                          sum(f.st_blocks * 512 for f in files), sum(f.st_size for f in files),
                          **places, workers=workers, targets=[], seconds=0.0)
-    return replace(report, targets=evaluate_targets(report),
-                   seconds=time.perf_counter() - started)
+    return replace(report, targets=evaluate_targets(report), seconds=time.perf_counter() - started)
