@@ -204,8 +204,7 @@ def elastic_epochs(delivered: resume.Delivered, repeat: bool) -> range:
 
 # Arrow types a conformance case may give a Parquet column.
 CASE_COLUMN_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
-                     "list<string>": pa.list_(pa.string()),
-                     "list<float64>": pa.list_(pa.float64())}
+                     "list<string>": pa.list_(pa.string()), "list<float64>": pa.list_(pa.float64())}
 
 
 class MemorySource:

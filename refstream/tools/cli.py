@@ -219,8 +219,7 @@ def run_stream(args) -> int:
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
     summary = {"root": args.root, "episodes": dataset.num_episodes, "frames": dataset.num_frames,
                "batched": args.batched, "samples": m.samples, "batches": m.batches,
-               "seconds": round(m.seconds, 3),
-               "samples_per_s": round(m.samples_per_s, 1),
+               "seconds": round(m.seconds, 3), "samples_per_s": round(m.samples_per_s, 1),
                "first_sample_s": round(m.first_sample_s, 3)}
     _print_summary(summary, args.json)
     return 0
@@ -330,8 +329,7 @@ def run_index(args) -> int:
     summary = {"root": args.root, "origin": index.origin, "files": len(index.records),
                "indexed": index.indexed, "samples": samples,
                "video_bytes": sum(record.size for record in index.records.values()),
-               "seconds": round(seconds, 3),
-               "index_folder": str(sidecar.cache_folder()),
+               "seconds": round(seconds, 3), "index_folder": str(sidecar.cache_folder()),
                "index_bytes": sum(Path(path).stat().st_size for path in records)}
     if args.output:
         summary["output"] = str(export_index(index, args.output))
@@ -448,8 +446,7 @@ def run_doctor(args) -> int:
     else:
         with contextlib.closing(source):
             report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
-                                   progress=False if args.no_progress else None,
-                                   decode=args.decode)
+                                   progress=False if args.no_progress else None, decode=args.decode)
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 

@@ -270,8 +270,7 @@ def _episode_rows(episode: int, length: int, first_index: int, fps: int) -> dict
     action = np.repeat((episode + frame / 1000).astype(np.float32)[:, None], 6, axis=1)
     return {"observation.state": state, "action": action,
             "timestamp": (frame / fps).astype(np.float32), "frame_index": frame,
-            "episode_index": np.full(length, episode, dtype=np.int64),
-            "index": first_index + frame,
+            "episode_index": np.full(length, episode, dtype=np.int64), "index": first_index + frame,
             "task_index": np.full(length, episode % len(TASKS), dtype=np.int64)}
 
 
@@ -352,10 +351,9 @@ def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
               bframes: int) -> dict:
     features: dict = {}
     for camera, (width, height) in sizes.items():
-        info = {"video.height": height, "video.width": width,
-                "video.codec": ENCODER_NAMES[codec], "video.pix_fmt": "yuv420p",
-                "video.fps": fps, "video.channels": 3, "has_audio": False, "video.g": gop,
-                "video.crf": ENCODER_CRF[codec],
+        info = {"video.height": height, "video.width": width, "video.codec": ENCODER_NAMES[codec],
+                "video.pix_fmt": "yuv420p", "video.fps": fps, "video.channels": 3,
+                "has_audio": False, "video.g": gop, "video.crf": ENCODER_CRF[codec],
                 "video.preset": SVT_PRESET if codec == "libsvtav1" else None,
                 "video.fast_decode": 0, "video.video_backend": "pyav",
                 "video.extra_options": {} if codec == "libsvtav1" else {"bf": bframes},
