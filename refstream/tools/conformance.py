@@ -2,14 +2,10 @@
 
 The runner and the comparison rule are ``spec/run.py`` (standard library only, beside the
 fixtures: :func:`load_runner` loads it from there), so ``refstream conformance`` and
-``python3 spec/run.py`` are one runner. The protocol (an implementation is a command run once
-per case), the encoding and the case format are in ``spec/README.md``, the kinds in
-``spec/SPEC.md``.
-
-refstream's own adapter (``python -m refstream.tools.conformance``, :func:`main_adapter`) answers
-one case through the protocol; with no ``--impl`` the command calls the same adapters in-process
-(:func:`in_process`), through the same JSON round trip. The fixtures are not part of the
-installed package: an installed refstream needs ``--fixtures`` (:func:`fixtures_folder` says so).
+``python3 spec/run.py`` are one runner; the protocol is in ``spec/README.md``, the kinds in
+``spec/SPEC.md``. refstream's own adapter answers one case through the protocol
+(``python -m refstream.tools.conformance``) or in-process (:func:`in_process`), through the same
+JSON round trip. An installed refstream needs ``--fixtures``: the fixtures are not installed.
 """
 
 from __future__ import annotations

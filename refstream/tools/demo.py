@@ -16,9 +16,7 @@ frame / 1000`` (float32), task ``TASKS[episode % 2]``.
 
 ``serve_directory(root)`` serves a folder on ``127.0.0.1`` (HTTP/1.1 keep-alive, ``HEAD``/``GET``,
 one ``Range`` per request, a strong ``ETag``) and yields a :class:`LoopbackServer` that logs every
-request; its ``route`` may answer other paths (the bench's emulated Hub), its ``hold`` may keep a
-request waiting. ``consume(dataset, ...)`` streams through a DataLoader and measures it
-(``refstream stream``); ``run_demo()`` is ``refstream demo``.
+request; :func:`consume` measures ``refstream stream``, :func:`run_demo` is ``refstream demo``.
 """
 
 from __future__ import annotations
@@ -737,7 +735,6 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
 
 
 def environment(name: str, value: str) -> contextlib.AbstractContextManager:
-    """The environment variable ``name`` set to ``value`` until the block exits."""
     return mock.patch.dict(os.environ, {name: value})
 
 

@@ -1,22 +1,11 @@
 """``refstream doctor``: is a dataset safe to train on? Checked before anyone trains (SPEC §11).
 
-Usage (``refstream doctor ROOT|URL [--decode all] [--json]`` does the same from the shell)::
-
-    source = refstream.source.open_source(root)
-    report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
-    report.ok                                   # True when every check passed
-    report.not_checked                          # what was not checked (empty: safe to train)
-    print(report.table())                       # or json.dumps(report.as_dict())
-
-The dataset is only read, never written. Each check is one :class:`Check` row of the
-:class:`Report`, in :data:`CHECK_NAMES` order, each the rule of its SPEC section: metadata
-(§11.2), episode boundaries (§11.3, :func:`episode_tiling`), data rows (§11.4: every feature column
-is converted as streaming converts it, so a page that does not decode is named here), videos
-(§11.5: the one "frame serves time" rule of :mod:`refstream.synth`, the streaming path's span
-and frame-rate rules, info.json's size and codec of each camera against its tracks), sidecar
-(§11.6) and decoding (§11.7: refstream's own decoder on mini-MP4s made as streaming makes them,
-of every keyframe or, with ``decode="all"``, of every frame the rows request). A check lists its
-first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them.
+``check_dataset(source, root=root)`` only reads the dataset and returns a :class:`Report` (a
+broken dataset gives failed checks, no raise): one :class:`Check` row per check, in
+:data:`CHECK_NAMES` order, each the rule of its section of SPEC §11. The checks use streaming's
+own rules: the rows are converted as streaming converts them, a video frame serves a time by the
+one rule of :mod:`refstream.synth`, and decoding is refstream's decoder on mini-MP4s made as
+streaming makes them. A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and counts all.
 """
 
 from __future__ import annotations
@@ -68,8 +57,6 @@ Tick = Callable[[str], None]  # called once per file read, with its relpath
 
 @dataclass(frozen=True)
 class Check:
-    """One row of the report."""
-
     name: str
     ok: bool
     detail: str
@@ -380,7 +367,6 @@ def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
 
 
 def _video_users(meta: DatasetMeta) -> dict[str, list[tuple[int, str]]]:
-    """Each video file's (episode, camera) pairs."""
     users: dict[str, list[tuple[int, str]]] = {}
     for episode in meta.episode_index.tolist():
         for camera in meta.camera_keys:

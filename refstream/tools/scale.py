@@ -538,7 +538,6 @@ def evaluate_targets(report: ScaleReport) -> list[Target]:
 
 
 def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None) -> ScaleReport:
-    """Generate (once) the simulation, then measure it; see the module docstring."""
     if min(config.episodes, config.workers) < 1 or not 1 <= config.video_file_mb <= 2048:
         raise UsageError(f"{config}: episodes, workers >= 1; video_file_mb 1..2048 (32-bit stco)")
     say = progress or (lambda _message: None)
