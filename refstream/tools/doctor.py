@@ -295,7 +295,7 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
     except (pa.ArrowException, OSError) as exc:
         problems.add(f"{relpath}: not a readable Parquet file ({exc})")
         return None
-    columns, broken = {}, False
+    columns = {}
     for name in wanted:
         try:
             # One thread: reads go through a Python file object, and Arrow's thread pool can
@@ -308,11 +308,9 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
         except RefstreamError as exc:
             problems.add(str(exc) if isinstance(exc, DatasetError) else
                          f"{relpath}: column {name!r}: {type(exc).__name__}: {exc}")
-            broken = True
         except (pa.ArrowException, OSError) as exc:
             problems.add(f"{relpath}: column {name!r} does not decode ({exc})")
-            broken = True
-    return None if broken and not set(ROW_COLUMNS) <= set(columns) else columns
+    return columns if set(ROW_COLUMNS) <= set(columns) else None
 
 
 def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
@@ -322,8 +320,7 @@ def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
     order = np.argsort(ids, kind="stable")  # stable: each episode's rows stay in file order
     present, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
     rows_of = {int(e): order[s : s + n] for e, s, n in zip(present, starts, counts, strict=True)}
-    expected = set(episodes)
-    for episode in sorted(set(rows_of) - expected):
+    for episode in sorted(set(rows_of) - set(episodes)):
         where = (f"which meta/episodes places in {home[episode]}" if episode in home
                  else "which is not in meta/episodes")
         problems.add(f"{relpath}: {len(rows_of[episode])} row(s) of episode {episode}, {where}")
