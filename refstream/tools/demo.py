@@ -725,24 +725,22 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
         write_demo_dataset(root, episode_lengths=DEMO_EPISODE_LENGTHS,
                            episodes_per_video_file=DEMO_EPISODES_PER_VIDEO_FILE,
                            episodes_per_data_file=DEMO_EPISODES_PER_DATA_FILE)
-        files = [p for p in root.rglob("*") if p.is_file()]
-        video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
         # The sidecar cache goes with the demo's files: the loopback URL changes on every run.
         stack.enter_context(environment("REFSTREAM_CACHE", str(Path(workdir) / "cache")))
         server = stack.enter_context(serve_directory(root))
-        return _stream_and_check(root, kept, server, files, video_bytes, num_workers,
-                                 batch_size, progress)
+        return _stream_and_check(root, kept, server, num_workers, batch_size, progress)
 
 
 def environment(name: str, value: str) -> contextlib.AbstractContextManager:
     return mock.patch.dict(os.environ, {name: value})
 
 
-def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: list[Path],
-                      video_bytes: int, num_workers: int, batch_size: int,
-                      progress: bool) -> DemoReport:
+def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, num_workers: int,
+                      batch_size: int, progress: bool) -> DemoReport:
     from refstream.stream import GIB, StreamingDataset
 
+    files = [p for p in root.rglob("*") if p.is_file()]
+    video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
     lengths = DEMO_EPISODE_LENGTHS
     starts = np.concatenate([[0], np.cumsum(lengths)])
     budget_gb = DEMO_BUDGET_FRACTION * video_bytes / GIB
@@ -751,10 +749,8 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
     cameras = dataset.meta.camera_keys
     seen: list[tuple[int, int]] = []
     problems: list[str] = []
-    checked = 0
 
     def check(batch: dict) -> None:
-        nonlocal checked
         for i in range(len(batch["index"])):
             e, f = int(batch["episode_index"][i]), int(batch["frame_index"][i])
             seen.append((e, f))
@@ -763,7 +759,6 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
                 problems.append(f"rows of episode {e} frame {f} belong to another anchor")
             for camera in cameras:
                 label = read_frame_label(batch[camera][i].numpy())
-                checked += 1
                 if label != (e, f):
                     problems.append(f"{camera} of episode {e} frame {f} shows {label}")
 
@@ -781,5 +776,5 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
         video_files=sum(1 for p in files if p.suffix == ".mp4"),
         dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
         measurement=measurement, requests=len(server.log), setup_requests=setup_requests,
-        video_span_requests=video_spans, body_bytes=server.body_bytes, checked_frames=checked,
-        problems=problems)
+        video_span_requests=video_spans, body_bytes=server.body_bytes,
+        checked_frames=len(seen) * len(cameras), problems=problems)
