@@ -247,17 +247,7 @@ def run_plan(args) -> int:
     with contextlib.closing(open_source(args.root)) as source:
         meta = load_meta(source)
     ids = select_episodes(meta, chosen)
-    frames = [meta.frames(e) for e in ids]
-    ranks = shard.lpt_partition(ids, frames, args.world_size)
-    empty = [str(r) for r, part in enumerate(ranks) if not sum(meta.frames(e) for e in part)]
-    if empty:  # said before the plan of this rank, which may fail for its own reasons
-        print(f"refstream plan: warning: rank(s) {', '.join(empty)} of world size "
-              f"{args.world_size} own no frames, and StreamingDataset raises ShardingError "
-              f"there; use a world size of at most {sum(f > 0 for f in frames)}", file=sys.stderr)
-    s = _plan_summary(
-        ids, frames, world_size=args.world_size, rank=args.rank,
-        num_workers=args.num_workers, seed=args.seed, epoch=args.epoch,
-        strategy=args.sampling_strategy, pool_size=args.episode_pool_size, limit=args.limit)
+    s = _plan_summary(args, ids, [meta.frames(e) for e in ids])
     if args.json:
         print(json.dumps(s))
         return 0
@@ -275,33 +265,36 @@ def run_plan(args) -> int:
     return 0
 
 
-def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size: int, rank: int,
-                  num_workers: int, seed: int | None, epoch: int, strategy: str,
-                  pool_size: int | None, limit: int) -> dict:
-    """The shard balance of every rank, this rank's worker shares and each worker's first
-    ``limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
+def _plan_summary(args, episodes: list[int], frames: list[int]) -> dict:
+    """The shard balance of every rank, the worker shares of ``--rank`` and each worker's first
+    ``--limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
     count = dict(zip(episodes, frames, strict=True))
-    ranks = shard.lpt_partition(episodes, frames, world_size)
-    share = shard.rank_share(episodes, frames, rank, world_size)
-    parts = shard.worker_shares(share, [count[e] for e in share], num_workers)
-    limits = shard.split_limits(num_workers, pool_size=pool_size, byte_budget=None,
-                                decoder_cache=None, cameras=0)
-    seed = resolve_seed(seed)
+    rank_frames = [sum(count[e] for e in part)
+                   for part in shard.lpt_partition(episodes, frames, args.world_size)]
+    empty = [str(r) for r, total in enumerate(rank_frames) if not total]
+    if empty:  # said before the plan of this rank, which may fail for its own reasons
+        print(f"refstream plan: warning: rank(s) {', '.join(empty)} of world size "
+              f"{args.world_size} own no frames, and StreamingDataset raises ShardingError "
+              f"there; use a world size of at most {sum(f > 0 for f in frames)}", file=sys.stderr)
+    share = shard.rank_share(episodes, frames, args.rank, args.world_size)
+    parts = shard.worker_shares(share, [count[e] for e in share], args.num_workers)
+    limits = shard.split_limits(args.num_workers, pool_size=args.episode_pool_size,
+                                byte_budget=None, decoder_cache=None, cameras=0)
+    seed = resolve_seed(args.seed)
     workers = []
     for worker, part in enumerate(parts):
-        plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=epoch, rank=rank,
-                          worker=worker, strategy=strategy, pool_size=limits.pool_size)
-        take = plan.remaining if limit == 0 else min(limit, plan.remaining)
+        plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=args.epoch,
+                               rank=args.rank, worker=worker, strategy=args.sampling_strategy,
+                               pool_size=limits.pool_size)
+        take = plan.remaining if args.limit == 0 else min(args.limit, plan.remaining)
         anchors = [list(next(plan)) for _ in range(take)]
         workers.append({"worker": worker, "episodes": part, "frames": sum(count[e] for e in part),
                         "anchors": anchors})
-    return {"episodes": len(episodes), "frames": sum(frames), "world_size": world_size,
-            "rank": rank, "num_workers": num_workers, "seed": seed, "epoch": epoch,
-            "strategy": strategy, "pool_size": limits.pool_size,
-            "longest_episode": max(frames, default=0),
-            "rank_frames": [sum(count[e] for e in part) for part in ranks],
+    return {"episodes": len(episodes), "frames": sum(frames), "world_size": args.world_size,
+            "rank": args.rank, "num_workers": args.num_workers, "seed": seed, "epoch": args.epoch,
+            "strategy": args.sampling_strategy, "pool_size": limits.pool_size,
+            "longest_episode": max(frames, default=0), "rank_frames": rank_frames,
             "worker_frames": [w["frames"] for w in workers], "workers": workers}
-
 
 
 def add_index(subparsers) -> None:
