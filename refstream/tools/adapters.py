@@ -256,15 +256,11 @@ def _case_file(description: dict) -> bytes:
 def kind_windows(case: dict) -> dict:
     windows = make_windows(case["delta_timestamps"], case["fps"], case["tolerance_s"],
                            feature_keys=case.get("feature_keys"))
-    rows: dict[str, list] = {key: [] for key in windows}
-    is_pad: dict[str, list] = {key: [] for key in windows}
-    for frame in case["frames"]:
-        for key, offsets in windows.items():
-            key_rows, key_pad = window_rows(offsets, frame, case["length"])
-            rows[key].append(key_rows.tolist())
-            is_pad[key].append(key_pad.tolist())
-    offsets = {key: offsets.tolist() for key, offsets in windows.items()}
-    return {"offsets": offsets, "rows": rows, "is_pad": is_pad}
+    per_key = {key: [window_rows(offsets, frame, case["length"]) for frame in case["frames"]]
+               for key, offsets in windows.items()}
+    return {"offsets": {key: offsets.tolist() for key, offsets in windows.items()},
+            "rows": {key: [rows.tolist() for rows, _ in got] for key, got in per_key.items()},
+            "is_pad": {key: [pad.tolist() for _, pad in got] for key, got in per_key.items()}}
 
 
 def kind_range_response(case: dict) -> dict:
