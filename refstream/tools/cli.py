@@ -30,11 +30,7 @@ ROOT_HELP = "dataset root: a folder, an http(s):// base URL or hf://datasets/OWN
 
 def _print_summary(summary: dict, as_json: bool) -> None:
     """A command's summary: one JSON object, or one ``key: value`` line per entry."""
-    if as_json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            print(f"{key}: {value}")
+    print(json.dumps(summary) if as_json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
 
 
 def _episode_ids(text: str | None) -> list[int] | None:
