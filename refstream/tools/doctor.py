@@ -587,8 +587,7 @@ def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, Sample
                              f"{str(exc).removeprefix(f'{label}: ')}")
             except Exception as exc:  # not the data's fault: the decoder itself fails
                 problems.add(f"refstream cannot decode with the installed {pyav}: "
-                             f"{type(exc).__name__}: {exc} (at {label}); nothing was decoded "
-                             "after it")
+                             f"{type(exc).__name__}: {exc} (at {label}); decoding stopped there")
                 not_checked.append("decoding: stopped at the first failure of the decoder")
                 return problems.check("decoding", f"stopped where the decoder failed ({pyav})")
         tick(relpath)

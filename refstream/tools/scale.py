@@ -499,9 +499,8 @@ class ScaleReport:
         out = [f"simulated DROID: {s['episodes']:,} episodes, {s['frames']:,} frames at {FPS} "
                f"fps, {s['cameras']} cameras {WIDTH}x{HEIGHT}, {s['samples']:,} samples in "
                f"{s['video_files']:,} sparse video files ({s['video_bytes'] / MB:,.0f} MB); "
-               f"generated in {s['seconds']:.0f} s, "
-               f"{self.disk_bytes / MB:,.0f} MB on disk, {self.apparent_bytes / MB:,.0f} MB "
-               f"apparent: {self.root}"]
+               f"generated in {s['seconds']:.0f} s, {self.disk_bytes / MB:,.0f} MB on disk, "
+               f"{self.apparent_bytes / MB:,.0f} MB apparent: {self.root}"]
         groups = [("folder", self.folder), ("loopback HTTP", self.http),
                   (f"emulated Hub (hf://datasets/{HUB_REPO})", self.hub),
                   *((f"worker {n} (HTTP)", w) for n, w in enumerate(self.workers))]
