@@ -79,8 +79,7 @@ class MapStyleVideoDataset:
         self.windows = make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
                                     feature_keys=self.meta.features)
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
-        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
-        table = table.sort_by("index")
+        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths]).sort_by("index")
         self.columns = {name: column_array(table[name], str(self.root / "data"), name)
                         for name in self.meta.parquet_keys}
         self.global_index = self.columns["index"]
