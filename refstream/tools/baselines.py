@@ -24,8 +24,7 @@ from refstream.source import LocalSource
 from refstream.windows import make_windows, window_rows
 from refstream.worker import hf_to_torch
 
-__all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",
-           "cpu_seconds", "TOLERANCE_S"]
+__all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "cpu_seconds"]
 
 TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
 

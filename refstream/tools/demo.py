@@ -44,9 +44,7 @@ import pyarrow.parquet as pq
 
 from refstream.meta import EPISODES_PATH
 
-__all__ = ["TASKS", "LABEL_TOLERANCE", "write_demo_dataset", "frame_picture", "read_frame_label",
-           "info_document", "LoopbackServer", "serve_directory", "environment",
-           "StreamMeasurement", "consume", "DemoReport", "run_demo"]
+__all__ = ["write_demo_dataset", "read_frame_label", "serve_directory", "consume", "run_demo"]
 
 TASKS = ("pick the cube", "place the cube")
 CHUNKS_SIZE = 1000  # LeRobot's DEFAULT_CHUNK_SIZE: files per chunk directory

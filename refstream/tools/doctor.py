@@ -39,8 +39,7 @@ from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 from refstream.windows import check_tolerance
 
-__all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "MAX_LISTED_PROBLEMS",
-           "CHECK_NAMES", "DECODE_MODES"]
+__all__ = ["check_dataset", "Report", "Check", "episode_tiling"]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
 CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar", "decoding")

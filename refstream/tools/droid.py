@@ -20,8 +20,7 @@ from refstream.stream import GIB
 if TYPE_CHECKING:
     from refstream.tools.bench import BenchConfig
 
-__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "hub_resolves", "PlannerFigures",
-           "Mixing", "HubResolves"]
+__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "hub_resolves"]
 
 DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
 DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames

@@ -50,8 +50,7 @@ from refstream.synth import HANDLER_NAME, IDENTITY_MATRIX, box, full_box, table_
 from refstream.tools import bench, demo
 from refstream.tools.bench import MB, Target, droid_lengths, kib_fields
 
-__all__ = ["ScaleConfig", "ScaleReport", "run_scale", "write_simulation", "write_sparse_mp4",
-           "hub_route"]
+__all__ = ["ScaleConfig", "run_scale", "write_simulation", "write_sparse_mp4", "hub_route"]
 
 CAMERAS = ("observation.images.exterior_1_left", "observation.images.exterior_2_left",
            "observation.images.wrist_left")  # DROID's three cameras
