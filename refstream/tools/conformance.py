@@ -20,7 +20,7 @@ from types import ModuleType
 from refstream.errors import UsageError
 from refstream.tools.adapters import ADAPTERS, FIXTURES_DIR, answer
 
-__all__ = ["answer", "fixtures_folder", "load_runner", "load_cases", "in_process"]
+__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_runner", "in_process"]
 
 
 def fixtures_folder(path: str | Path | None = None) -> Path:
