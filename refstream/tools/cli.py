@@ -82,9 +82,8 @@ _ORDER.add_argument("--episodes", help="comma-separated episode ids (default: ev
 _ORDER.add_argument("--seed", type=int, help="order seed (default: 42)")
 _ORDER.add_argument("--strategy", dest="sampling_strategy", default="pool",
                     choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
-_ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N",
-                    help="resident episodes per worker (default: 32 per rank, split over the "
-                    "workers)")
+_ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N", help="resident "
+                    "episodes per worker (default: 32 per rank, split over the workers)")
 
 
 def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Namespace], int],
@@ -158,9 +157,8 @@ def run_conformance(args) -> int:
 def add_demo(subparsers) -> None:
     p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
                  "stream one epoch and verify every frame", run_demo, [_LOADER])
-    p.add_argument("--keep", dest="workdir", metavar="DIR",
-                   help="write the dataset into DIR and keep it (default: a temporary folder, "
-                   "removed at the end)")
+    p.add_argument("--keep", dest="workdir", metavar="DIR", help="write the dataset into DIR and "
+                   "keep it (default: a temporary folder, removed at the end)")
 
 
 def run_demo(args) -> int:
@@ -414,9 +412,8 @@ def run_inspect(args) -> int:
 
 
 def add_doctor(subparsers) -> None:
-    p = _command(subparsers, "doctor",
-                 "check a dataset before training on it (exit 0: safe to train, 1: not)",
-                 run_doctor, [_ROOT, _JSON])
+    p = _command(subparsers, "doctor", "check a dataset before training on it (exit 0: safe to "
+                 "train, 1: not)", run_doctor, [_ROOT, _JSON])
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
     p.add_argument("--decode", choices=("keyframes", "all"), default="keyframes",
@@ -442,9 +439,8 @@ def run_doctor(args) -> int:
 
 
 def add_bench(subparsers) -> None:
-    p = _command(subparsers, "bench",
-                 "measure refstream side by side with map-style reading and the decode "
-                 "ceiling, and its memory", run_bench, [_JSON])
+    p = _command(subparsers, "bench", "measure refstream side by side with map-style reading "
+                 "and the decode ceiling, and its memory", run_bench, [_JSON])
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
     p.add_argument("--quick", action="store_true", help="a tiny configuration that runs in seconds")
     for name, kind, text in (

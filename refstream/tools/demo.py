@@ -400,10 +400,8 @@ def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.nd
         times.append((from_s, from_s + lengths[e] / fps))
     columns: dict[str, list] = {
         "episode_index": list(range(len(lengths))),
-        "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],
-        "length": lengths,
-        **file_place(data_files, "data"),
-        "dataset_from_index": first_index[:-1].tolist(),
+        "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))], "length": lengths,
+        **file_place(data_files, "data"), "dataset_from_index": first_index[:-1].tolist(),
         "dataset_to_index": first_index[1:].tolist(),
     }
     for camera in sizes:

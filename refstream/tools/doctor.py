@@ -408,9 +408,8 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             problem = _episode_video_problem(meta, indexes, episode, camera, seconds, tolerance_s)
             if problem is not None:
                 problems.add(f"episode {episode}, camera {camera}, {relpath}: {problem}")
-    return problems.check(
-        "videos", f"{len(users)} video files, {requests} request times, tolerance "
-        f"{tolerance_s} s"), indexes
+    return problems.check("videos", f"{len(users)} video files, {requests} request times, "
+                          f"tolerance {tolerance_s} s"), indexes
 
 
 def _track_problems(meta: DatasetMeta, camera: str, index: SampleIndex,

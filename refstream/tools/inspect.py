@@ -57,8 +57,7 @@ def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
     keys = np.flatnonzero(index.keyframe)
     ends = np.append(keys[1:], len(index))
     return {
-        "path": path,
-        "file_size": file_size,
+        "path": path, "file_size": file_size,
         "boxes": [{"depth": d, "type": b.type, "offset": b.offset, "size": b.size}
                   for d, b in tree],
         "track": {**{name: getattr(index, name) for name in TRACK_FIELDS},
