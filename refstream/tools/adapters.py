@@ -117,9 +117,8 @@ def kind_shard(case: dict) -> dict:
 
 
 def kind_limits(case: dict) -> dict:
-    limits = split_limits(case["num_workers"], pool_size=case["pool_size"],
-                          byte_budget=case["byte_budget"], decoder_cache=case["decoder_cache"],
-                          cameras=case["cameras"])
+    limits = split_limits(case["num_workers"], **{name: case[name] for name in (
+        "pool_size", "byte_budget", "decoder_cache", "cameras")})
     return {name: getattr(limits, name) for name in ("pool_size", "byte_budget", "decoder_cache")}
 
 
@@ -226,10 +225,8 @@ def kind_meta(case: dict) -> dict:
     answer = {name: getattr(meta, name) for name in (
         "fps", "camera_keys", "parquet_keys", "total_episodes", "total_frames", "tasks")}
     answer |= {
-        "episode_index": ids,
-        "from_index": meta.from_index.tolist(),
-        "to_index": meta.to_index.tolist(),
-        "frames": [meta.frames(e) for e in ids],
+        "episode_index": ids, "frames": [meta.frames(e) for e in ids],
+        "from_index": meta.from_index.tolist(), "to_index": meta.to_index.tolist(),
         "data_relpath": [meta.data_relpath(e) for e in ids],
         "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
         "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
@@ -279,8 +276,7 @@ def _judge(case: dict, **asked) -> Accept | Retry | FallBack:
     return judge_response(
         case["status"], CaseInsensitiveDict(case["headers"]), **asked,
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-        where="case", now=None if now is None else email.utils.parsedate_to_datetime(now),
-    )
+        where="case", now=None if now is None else email.utils.parsedate_to_datetime(now))
 
 
 def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...]) -> dict:
