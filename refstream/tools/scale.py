@@ -1,7 +1,5 @@
-"""``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation.
-
-Use: ``report = run_scale(ScaleConfig())`` (``ScaleConfig.quick()`` for a small one), then
-``report.lines()`` or ``report.as_dict()``.
+"""``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation,
+measured by :func:`run_scale`.
 
 The simulation (:func:`write_simulation`, made once under ``$REFSTREAM_CACHE/bench``) is DROID in
 LeRobot v3: ``bench.droid_lengths`` episodes at 15 fps, three 320×180 cameras, video files rolled
