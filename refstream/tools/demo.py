@@ -153,8 +153,7 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
     reductions = {"min": np.min, "max": np.max, "mean": np.mean, "std": np.std}
     out = {name: reduce(data, axis=axes, keepdims=keep) for name, reduce in reductions.items()}
     out["count"] = np.array([values.shape[0]], dtype=np.int64)
-    for name, q in QUANTILES.items():
-        out[name] = np.quantile(data, q, axis=axes, keepdims=keep)
+    out |= {name: np.quantile(data, q, axis=axes, keepdims=keep) for name, q in QUANTILES.items()}
     if keep:  # images: (1, C, 1, 1) -> (C, 1, 1)
         out = {k: (v[0] if k != "count" else v) for k, v in out.items()}
     return out
