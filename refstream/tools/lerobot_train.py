@@ -1,15 +1,9 @@
 """``refstream lerobot-train``: LeRobot 0.6.1's own trainer (``lerobot-train``), fed by
 ``StreamingDataset`` instead of a downloaded dataset.
 
-Use, with ``lerobot-train``'s own flags (``--dataset.root`` a folder, an ``http(s)://`` base URL
-or ``hf://datasets/OWNER/NAME[@REV]``; without it, the Hub dataset ``--dataset.repo_id`` at
-``--dataset.revision``)::
-
-    refstream lerobot-train --policy.type=act --dataset.repo_id=OWNER/NAME ...
-    torchrun --nproc-per-node=2 -m refstream.tools.lerobot_train --policy.type=act ...
-    refstream lerobot-train --config_path=OUT/checkpoints/last/pretrained_model --resume=true
-
-It runs LeRobot's ``train()`` unchanged and replaces, for the run only, four things around it:
+Use: ``refstream lerobot-train`` (or ``torchrun ... -m refstream.tools.lerobot_train``) with
+``lerobot-train``'s own flags, as the README's "Training with LeRobot" shows. It runs LeRobot's
+``train()`` unchanged and replaces, for the run only, four things around it:
 
 * LeRobot's dataset factory (``make_train_eval_datasets``: delta_timestamps from the policy,
   ``--dataset.episodes``, the eval split, image transforms, ImageNet statistics) makes
