@@ -130,11 +130,9 @@ def add_conformance(subparsers) -> None:
                  "(spec/run.py, the same runner)", run_conformance)
     p.add_argument("--impl", help="implementation command, run once per case inside the fixtures "
                    "folder (default: refstream itself, in-process)")
-    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source, with "
-                   "spec/run.py beside it (needed when refstream is installed: the fixtures are "
-                   "not part of the package)")
-    p.add_argument("--kind", action="append", default=[], help="only cases of this kind "
-                   "(repeatable)")
+    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source, spec/run.py "
+                   "beside it (needed when refstream is installed: the package has no fixtures)")
+    p.add_argument("--kind", action="append", default=[], help="only KIND cases (repeatable)")
     p.add_argument("--case", action="append", default=[], metavar="PATTERN",
                    help="only this case: its path under the fixtures folder, with or without "
                    ".json, or a pattern such as 'meta/valid-*' (repeatable)")
