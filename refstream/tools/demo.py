@@ -163,12 +163,9 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
 
 
 def _encoder_options(codec: str, gop: int, bframes: int) -> dict[str, str]:
-    options = {"g": str(gop), "crf": str(ENCODER_CRF[codec])}
-    if codec == "libsvtav1":
-        options["preset"] = str(SVT_PRESET)
-    else:
-        options["bf"] = str(bframes)
-    return options
+    options = {"g": gop, "crf": ENCODER_CRF[codec],
+               **({"preset": SVT_PRESET} if codec == "libsvtav1" else {"bf": bframes})}
+    return {name: str(value) for name, value in options.items()}
 
 
 @contextlib.contextmanager
