@@ -25,28 +25,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from requests.structures import CaseInsensitiveDict
 
-from refstream import resume
+from refstream import hub, resume, source, synth, tables
 from refstream.budget import ByteBudget
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
-from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
 from refstream.meta import check_relpath, load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
-from refstream.source import LocalSource
-from refstream.synth import (
-    check_frame_rate,
-    select_frames,
-    select_span,
-    serving_samples,
-    span_of,
-    synthesize,
-    synthesized_size,
-)
-from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
 
@@ -289,7 +277,7 @@ def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...
 
 
 def kind_hf_url(case: dict) -> dict:
-    hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
+    hf, endpoint = hub.parse_hf_root(case["root"]), hub.hub_endpoint(case["endpoint"])
     api_url = hf.revision_api_url(endpoint)
     commit = case["commit"] if api_url is not None else hf.revision
     url = HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"])
@@ -298,13 +286,13 @@ def kind_hf_url(case: dict) -> dict:
 
 
 def kind_hub_target(case: dict) -> dict:
-    expiry = target_expiry(case["target"], case["issued"])
-    return {"expiry": expiry, "resolve": resolve_again(expiry, case["now"])}
+    expiry = hub.target_expiry(case["target"], case["issued"])
+    return {"expiry": expiry, "resolve": hub.resolve_again(expiry, case["now"])}
 
 
 def kind_row_group_candidates(case: dict) -> dict:
     stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
-    return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
+    return {"candidates": tables.candidate_row_groups(stats, int(case["episode"]))}
 
 
 def kind_budget_ops(case: dict) -> dict:
@@ -328,8 +316,8 @@ def kind_budget_ops(case: dict) -> dict:
 def kind_frame_select(case: dict) -> dict:
     num, den = case["time_base"]
     pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
-    chosen = select_frames(pts_ticks * num, den, np.array(case["times_s"], dtype=np.float64),
-                           case["tolerance_s"])
+    chosen = synth.select_frames(pts_ticks * num, den, np.array(case["times_s"], np.float64),
+                                 case["tolerance_s"])
     return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
 
@@ -342,7 +330,7 @@ def kind_sidecar_record(case: dict) -> dict:
                 handle.truncate(fields["file_size"])
             mtime_ns = int(case["local_mtime_ns"])  # a 64-bit field: a decimal string
             os.utime(Path(folder) / "video.mp4", ns=(mtime_ns, mtime_ns))
-            identity = LocalSource(folder).identity("video.mp4")
+            identity = source.LocalSource(folder).identity("video.mp4")
     index = SampleIndex(
         path="case", file_size=fields["file_size"], ftyp=bytes.fromhex(fields["ftyp"]),
         stsd=bytes.fromhex(fields["stsd"]), **{name: fields[name] for name in SCALAR_FIELDS},
@@ -373,17 +361,18 @@ def kind_span(case_input: dict) -> dict:
     _, index = _media_index(case_input)
     times = case_input.get("request_times_s")
     request_times_s = None if times is None else np.asarray(times, float)
-    span = select_span(index, case_input["from_s"], case_input["to_s"],
-                       case_input["tolerance_s"], request_times_s)  # fmt: skip
+    span = synth.select_span(index, case_input["from_s"], case_input["to_s"],
+                             case_input["tolerance_s"], request_times_s)  # fmt: skip
     fields = ("sample_lo", "sample_hi", "byte_offset", "byte_length", "start_pts")
     return {name: getattr(span, name) for name in fields}
 
 
 def kind_synth(case_input: dict) -> dict:
     file, index = _media_index(case_input)
-    span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
-    data = synthesize(index, span, file[span.byte_offset : span.byte_offset + span.byte_length])
-    return {"synthesized_size": synthesized_size(index, span), "size": len(data),
+    span = synth.span_of(index, case_input["sample_lo"], case_input["sample_hi"])
+    payload = file[span.byte_offset : span.byte_offset + span.byte_length]
+    data = synth.synthesize(index, span, payload)
+    return {"synthesized_size": synth.synthesized_size(index, span), "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
@@ -398,14 +387,14 @@ def kind_doctor_tiling(case: dict) -> dict:
 
 def kind_doctor_requests(case: dict) -> dict:
     times_s = np.asarray(case["times_s"], np.float64)
-    served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
-                             float(case["tolerance_s"]))
+    served = synth.serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                   times_s, float(case["tolerance_s"]))
     return {"unserved": served.unserved(len(times_s)).tolist()}
 
 
 def kind_frame_rate(case: dict) -> dict:
-    spacing = check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
-                               case["fps"], "video")
+    spacing = synth.check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                     case["fps"], "video")
     return {"spacing_ticks": None if np.isnan(spacing) else spacing}
 
 

@@ -18,9 +18,8 @@ import pyarrow.parquet as pq
 import torch
 from av.video.reformatter import VideoReformatter
 
-from refstream.errors import UsageError
+from refstream import errors, source
 from refstream.meta import DatasetMeta, column_array, load_meta
-from refstream.source import LocalSource
 from refstream.windows import make_windows, window_rows
 from refstream.worker import hf_to_torch
 
@@ -60,7 +59,7 @@ def decode_like_lerobot(path: str, times_s: np.ndarray,
     nearest = distances.argmin(axis=1)
     worst = float(distances[np.arange(len(times_s)), nearest].max())
     if worst > tolerance_s:
-        raise UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
+        raise errors.UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
     chosen = np.stack([pictures[i] for i in nearest]).transpose(0, 3, 1, 2)
     return chosen.astype(np.float32) / np.float32(255), len(pictures)
 
@@ -74,7 +73,7 @@ class MapStyleVideoDataset:
 
     def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]]) -> None:
         self.root = Path(root)
-        self.meta = load_meta(LocalSource(self.root))
+        self.meta = load_meta(source.LocalSource(self.root))
         self.windows = make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
                                     feature_keys=self.meta.features)
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})

@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from refstream import __version__, planner, shard
+from refstream import __version__, planner, rng, shard
 from refstream.errors import RefstreamError, UsageError
-from refstream.rng import resolve_seed
 
 if TYPE_CHECKING:
     from refstream.sidecar import VideoIndex
@@ -272,7 +271,7 @@ def _plan_summary(args, episodes: list[int], frames: list[int]) -> dict:
     parts = shard.worker_shares(share, [count[e] for e in share], args.num_workers)
     limits = shard.split_limits(args.num_workers, pool_size=args.episode_pool_size,
                                 byte_budget=None, decoder_cache=None, cameras=0)
-    seed = resolve_seed(args.seed)
+    seed = rng.resolve_seed(args.seed)
     workers = []
     for worker, part in enumerate(parts):
         plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=args.epoch,

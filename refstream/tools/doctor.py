@@ -23,17 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refstream import sidecar, synth
+from refstream import errors, sidecar, synth
 from refstream.decode import EpisodeDecoder
-from refstream.errors import (
-    DatasetError,
-    FrameNotFound,
-    MalformedDataset,
-    RefstreamError,
-    SidecarInvalid,
-    TableError,
-    UsageError,
-)
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
@@ -130,11 +121,11 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     :func:`refstream.sidecar.cache_folder` takes it; ``decode``: one of :data:`DECODE_MODES`."""
     tolerance_s = check_tolerance(tolerance_s)
     if decode not in DECODE_MODES:
-        raise UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        raise errors.UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     label = str(root) if root is not None else repr(source)
     try:
         meta = load_meta(source)
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         return unreadable(label, exc)
     video_relpaths = sidecar.video_relpaths(meta)
     files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index))
@@ -151,7 +142,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     return Report(label, checks, list(dict.fromkeys(not_checked)))
 
 
-def unreadable(label: str, exc: RefstreamError) -> Report:
+def unreadable(label: str, exc: errors.RefstreamError) -> Report:
     """The report on a dataset whose metadata cannot be read (or whose root cannot be opened):
     the metadata check fails with the error, every other check is skipped."""
     failed = Check("metadata", False, "cannot load the metadata",
@@ -288,7 +279,7 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
             return None
         wanted = [*ROW_COLUMNS, *([TASK_COLUMN] if TASK_COLUMN in names else [])]
         wanted += [key for key in features if key in names and key not in wanted]
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         problems.add(f"{relpath}: {type(exc).__name__}: {exc}")
         return None
     except (pa.ArrowException, OSError) as exc:
@@ -304,8 +295,8 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
                 columns[name] = index_column(table, name, relpath)
             else:
                 column_array(table[name], relpath, name)
-        except RefstreamError as exc:
-            problems.add(str(exc) if isinstance(exc, DatasetError) else
+        except errors.RefstreamError as exc:
+            problems.add(str(exc) if isinstance(exc, errors.DatasetError) else
                          f"{relpath}: column {name!r}: {type(exc).__name__}: {exc}")
         except (pa.ArrowException, OSError) as exc:
             problems.add(f"{relpath}: column {name!r} does not decode ({exc})")
@@ -385,7 +376,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             indexes[relpath] = parse_index(
                 lambda offset, length, p=relpath: source.read_range(p, offset, length),
                 size, relpath)
-        except RefstreamError as exc:
+        except errors.RefstreamError as exc:
             episodes = sorted({episode for episode, _ in users[relpath]})
             problems.add(f"{relpath} ({_ids(episodes)}): {type(exc).__name__}: {exc}")
             continue
@@ -397,7 +388,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
         try:
             synth.check_frame_rate(indexes[relpath].pts, indexes[relpath].timescale, meta.fps,
                                    relpath)
-        except MalformedDataset as exc:
+        except errors.MalformedDataset as exc:
             problems.add(str(exc))
             continue  # every request time of the file is off its frames
         for episode, camera in users[relpath]:
@@ -462,16 +453,16 @@ def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], e
     an unserved request time, or one outside the span streaming plans from nominal times."""
     try:
         synth.episode_spans(meta, episode, indexes, tolerance_s, seconds, [camera])
-    except FrameNotFound as exc:
+    except errors.FrameNotFound as exc:
         return str(exc).removeprefix(f"{meta.video_relpath(episode, camera)}: ")
     try:
         planned = synth.episode_spans(meta, episode, indexes, tolerance_s, cameras=[camera])
-    except FrameNotFound as exc:
+    except errors.FrameNotFound as exc:
         return (f"the nominal times from_timestamp + frame_index / fps that streaming plans "
                 f"with are not all served ({exc})")
     try:
         synth.serving_pts(meta, episode, planned, tolerance_s, seconds)
-    except TableError as exc:
+    except errors.TableError as exc:
         return str(exc)
     return None
 
@@ -492,7 +483,7 @@ def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path |
         return Check("sidecar", True, "no video files: nothing to index")
     try:
         identities = source.content_identities(relpaths)
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         return Check("sidecar", False, f"skipped: the video files' sizes and identities cannot "
                      f"be read ({type(exc).__name__}: {exc})", skipped=True)
     problems, notes, found = _Problems(), [], set()
@@ -501,14 +492,14 @@ def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path |
             size, identity = identities[relpath]
             try:
                 stored = sidecar.read_record(record, size, identity, relpath, verify=True)
-            except SidecarInvalid as exc:
+            except errors.SidecarInvalid as exc:
                 notes.append(f"{label} is not valid, so training ignores it and indexes "
                              f"{relpath} again ({exc})")
                 continue
             found.add(relpath)
             if relpath in indexes:
                 _compare_record(f"{label}: {relpath}", stored, indexes[relpath], problems)
-    except (RefstreamError, *sidecar.UNREADABLE) as exc:
+    except (errors.RefstreamError, *sidecar.UNREADABLE) as exc:
         notes.append(f"{sidecar.PUBLISHED_RELPATH} is not readable, so training ignores it "
                      f"({type(exc).__name__}: {exc})")
     notes.append(f"{len(found)} of {len(identities)} video files have a valid index record, "
@@ -530,7 +521,7 @@ def _sidecar_records(source: Source, identities: dict[str, tuple[int, str]],
             yield f"cache {folder / name}", relpath, folder / name
     try:
         size = source.size(sidecar.PUBLISHED_RELPATH)
-    except MalformedDataset:  # how every source reports a missing file
+    except errors.MalformedDataset:  # how every source reports a missing file
         return
     with zipfile.ZipFile(RangeFile(source, sidecar.PUBLISHED_RELPATH, size)) as archive:
         members = set(archive.namelist())
@@ -580,7 +571,7 @@ def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, Sample
                 with EpisodeDecoder(synth.synthesize(index, span, payload), label,
                                     span.start_pts) as decoder:
                     decoder.frames(pts)
-            except RefstreamError as exc:
+            except errors.RefstreamError as exc:
                 problems.add(f"{label}: {type(exc).__name__}: "
                              f"{str(exc).removeprefix(f'{label}: ')}")
             except Exception as exc:  # not the data's fault: the decoder itself fails
@@ -619,7 +610,7 @@ def _request_jobs(meta: DatasetMeta, relpath: str, index: SampleIndex,
         try:
             spans = synth.episode_spans(meta, episode, {relpath: index}, tolerance_s, seconds,
                                         [camera])
-        except RefstreamError:
+        except errors.RefstreamError:
             continue
         pts = synth.serving_pts(meta, episode, spans, tolerance_s, seconds)[camera]
         yield f"episode {episode}, camera {camera}, {relpath}", spans[camera][1], np.unique(pts)

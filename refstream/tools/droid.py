@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refstream import resume, shard
-from refstream.hub import TARGET_LIFETIME_S
+from refstream import hub, resume, shard
 from refstream.planner import Planner
 from refstream.stream import GIB
 
@@ -125,7 +124,7 @@ class HubResolves:
         return (f"Hub resolves (DROID-sized, {self.ranks} ranks x {self.workers} workers on one "
                 f"machine, {self.samples_per_s} samples/s per rank, targets shared): "
                 f"{self.window_average:,.0f} per {QUOTA_WINDOW_S // 60} minutes over a target's "
-                f"{TARGET_LIFETIME_S / 3600:.0f} h; {self.first_window:,} in the first "
+                f"{hub.TARGET_LIFETIME_S / 3600:.0f} h; {self.first_window:,} in the first "
                 f"{QUOTA_WINDOW_S // 60} minutes (every file touched once; {self.files:,} files)")
 
 
@@ -152,7 +151,7 @@ def hub_resolves(config: BenchConfig) -> HubResolves:
     files = DROID_CAMERAS * (int(video[-1]) + 1) + int(data[-1]) + 1
     return HubResolves(HUB_RANKS, HUB_WORKERS, HUB_SAMPLES_PER_S, files,
                        DROID_CAMERAS * len(set(video[first])) + len(set(data[first])),
-                       files * QUOTA_WINDOW_S / TARGET_LIFETIME_S)
+                       files * QUOTA_WINDOW_S / hub.TARGET_LIFETIME_S)
 
 
 @dataclass(frozen=True)

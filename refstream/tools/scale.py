@@ -42,7 +42,6 @@ import pyarrow.parquet as pq
 from refstream import sidecar
 from refstream.errors import RefstreamError, UsageError
 from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
-from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, cache_folder
 from refstream.stats import STATS_PATH
 from refstream.synth import HANDLER_NAME, IDENTITY_MATRIX, box, full_box, table_box
 from refstream.tools import bench, demo
@@ -333,7 +332,7 @@ class WorkerMemory:
 
 
 def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place:
-    env = {**os.environ, CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
+    env = {**os.environ, sidecar.CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
     env.pop("HF_TOKEN", None)  # the emulated Hub needs none
     mark, served, started = len(server.log), server.body_bytes, time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", INDEX_CHILD, root], env=env,
@@ -403,7 +402,7 @@ def _mapped_records(pid: int, folder: str) -> dict[str, dict[str, int]]:
     return files
 
 
-def _index_heap_bytes(video_index: VideoIndex, paths: frozenset[str]) -> int:
+def _index_heap_bytes(video_index: sidecar.VideoIndex, paths: frozenset[str]) -> int:
     """The heap that the index objects of the records at ``paths`` take: what tracemalloc finds
     allocated in :mod:`refstream.sidecar` and still held by the :class:`MappedIndex` entries a
     worker mapping those records holds (their pages are not heap)."""
@@ -411,7 +410,7 @@ def _index_heap_bytes(video_index: VideoIndex, paths: frozenset[str]) -> int:
                 if os.path.realpath(record.path) in paths]
     tracemalloc.start(TRACED_FRAMES)
     try:
-        mapped = MappedIndex(video_index)
+        mapped = sidecar.MappedIndex(video_index)
         for relpath in relpaths:
             mapped[relpath]
         in_sidecar = tracemalloc.Filter(True, sidecar.__file__, all_frames=True)
@@ -439,7 +438,7 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
 
     held, measured, lock, release = set(), [], threading.Lock(), threading.Event()
     start = torch.zeros((workers, 2), dtype=torch.int64).share_memory_()  # pid, private bytes
-    with demo.environment(CACHE_ENV, str(cache)):
+    with demo.environment(sidecar.CACHE_ENV, str(cache)):
         dataset = StreamingDataset(server.url)
 
     def hold(path: str, client: tuple) -> None:  # on the server's threads
@@ -448,7 +447,7 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
                 held.add(client[1])  # the port the request came from
                 pids = start[:, 0].tolist()
                 if not release.is_set() and all(pids) and all(_tcp_ports(p) & held for p in pids):
-                    measured.extend(_worker(pid, at_start, cache_folder(cache))
+                    measured.extend(_worker(pid, at_start, sidecar.cache_folder(cache))
                                     for pid, at_start in start.tolist())
                     release.set()
             release.wait()
