@@ -29,7 +29,7 @@ from refstream import hub, resume, source, synth, tables
 from refstream.budget import ByteBudget
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
-from refstream.meta import check_relpath, load_meta, select_episodes
+from refstream.meta import load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
@@ -201,9 +201,12 @@ class MemorySource:
         self.files = dict(files)
 
     def read_bytes(self, relpath: str) -> bytes:
-        if check_relpath(relpath) not in self.files:
+        if source.check_relpath(relpath) not in self.files:
             raise MalformedDataset(f"{relpath}: missing from the dataset")
         return self.files[relpath]
+
+    def read_if_present(self, relpath: str) -> bytes | None:
+        return self.files.get(source.check_relpath(relpath))
 
 
 def kind_meta(case: dict) -> dict:
@@ -298,12 +301,22 @@ def kind_row_group_candidates(case: dict) -> dict:
 def kind_budget_ops(case: dict) -> dict:
     """Kind ``budget_ops`` (SPEC §8.7); ``acquire`` gets a zero timeout, so it never waits."""
     budget = ByteBudget(case["budget_bytes"])
+    calls = {
+        "try_reserve": lambda e, n: budget.try_reserve(e, n),
+        "reserve_in_room": lambda e, n: budget.reserve_in_room(e, n),
+        "touch": lambda e, n: budget.touch([e]),
+        "acquire": lambda e, n: budget.acquire(e, n, timeout_s=0),
+        "release": lambda e, n: budget.release(e),
+        "claim_fetch": lambda e, n: budget.claim_fetch(e),
+        "mark_resident": lambda e, n: budget.mark_resident(e, n),
+        "mark_fetched": lambda e, n: budget.mark_fetched(e),
+        "forget": lambda e, n: budget.forget(e),
+        "close": lambda e, n: budget.close(),
+    }
     results, evicted = [], []
-    for name, episode, *size in case["ops"]:  # an op is the budget's method of that name
-        arguments = () if name == "close" else (episode, *size)
+    for name, episode, *size in case["ops"]:
         try:
-            results.append(getattr(budget, name)(*arguments, **(
-                {"timeout_s": 0} if name == "acquire" else {})))
+            results.append(calls[name](episode, size[0] if size else 0))
         except (BudgetError, UsageError) as exc:
             results.append({"error": type(exc).__name__})
         evicted.append(budget.take_evicted())
