@@ -25,16 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from requests.structures import CaseInsensitiveDict
 
-from refstream import hub, resume, source, synth, tables
+from refstream import hub, mp4, resume, rng, shard, sidecar, source, synth, tables
 from refstream.budget import ByteBudget
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.meta import load_meta, select_episodes
-from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
-from refstream.rng import below, derive_key, permutation, resolve_seed, u64
-from refstream.shard import rank_share, split_limits, worker_shares
-from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
 from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
 
@@ -84,28 +80,28 @@ def decode_label(label):
 
 def kind_rng(case: dict) -> dict:
     seed = decode_u64(case["seed"])
-    key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
+    key = rng.derive_key(rng.resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
     indices = [decode_u64(i) for i in case["indices"]]
     below_n = decode_u64(case["below_n"])
-    return {"key": f"0x{key:016x}", "u64": [f"0x{u64(key, i):016x}" for i in indices],
-            "below": [str(below(below_n, key, i)) for i in indices],
-            "permutation": permutation(key, case["permute"]).tolist()}
+    return {"key": f"0x{key:016x}", "u64": [f"0x{rng.u64(key, i):016x}" for i in indices],
+            "below": [str(rng.below(below_n, key, i)) for i in indices],
+            "permutation": rng.permutation(key, case["permute"]).tolist()}
 
 
 def kind_shard(case: dict) -> dict:
     ids, frames = case["episodes"], case["frames"]
     count = dict(zip(ids, frames, strict=True))
     # max(1, …): a world size of 0 reaches rank_share, which refuses it (SPEC §2.2).
-    ranks = [rank_share(ids, frames, r, case["world_size"])
+    ranks = [shard.rank_share(ids, frames, r, case["world_size"])
              for r in range(max(1, case["world_size"]))]
-    workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
+    workers = [shard.worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
     return {"ranks": ranks, "rank_frames": [sum(count[e] for e in r) for r in ranks],
             "workers": workers,
             "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers]}
 
 
 def kind_limits(case: dict) -> dict:
-    limits = split_limits(case["num_workers"], **{name: case[name] for name in (
+    limits = shard.split_limits(case["num_workers"], **{name: case[name] for name in (
         "pool_size", "byte_budget", "decoder_cache", "cameras")})
     return {name: getattr(limits, name) for name in ("pool_size", "byte_budget", "decoder_cache")}
 
@@ -155,7 +151,7 @@ def kind_elastic_resume(case: dict) -> dict:
     """Kind ``elastic_resume`` (SPEC §3.9). The seed is a 64-bit field."""
     episodes, frames, sizes = case["episodes"], case["frames"], case.get("byte_sizes")
     setup = resume.ResumeSetup(
-        seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
+        seed=rng.resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
         pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
         world_size=case["world_size"], num_workers=case["num_workers"],
         batch_size=case["batch_size"], repeat=case["repeat"],
@@ -344,30 +340,31 @@ def kind_sidecar_record(case: dict) -> dict:
             mtime_ns = int(case["local_mtime_ns"])  # a 64-bit field: a decimal string
             os.utime(Path(folder) / "video.mp4", ns=(mtime_ns, mtime_ns))
             identity = source.LocalSource(folder).identity("video.mp4")
-    index = SampleIndex(
+    index = mp4.SampleIndex(
         path="case", file_size=fields["file_size"], ftyp=bytes.fromhex(fields["ftyp"]),
-        stsd=bytes.fromhex(fields["stsd"]), **{name: fields[name] for name in SCALAR_FIELDS},
+        stsd=bytes.fromhex(fields["stsd"]),
+        **{name: fields[name] for name in sidecar.SCALAR_FIELDS},
         **{name: np.array(fields[name], bool if name == "keyframe" else np.int64)
-           for name in ARRAY_FIELDS})
-    record = np.load(io.BytesIO(record_bytes(index, identity)), allow_pickle=False)
+           for name in sidecar.ARRAY_FIELDS})
+    record = np.load(io.BytesIO(sidecar.record_bytes(index, identity)), allow_pickle=False)
     arrays = b"".join(record[name][0].tobytes() for name in record.dtype.names[2:])
-    return {"identity": identity, "name": record_name(index.file_size, identity),
+    return {"identity": identity, "name": sidecar.record_name(index.file_size, identity),
             "fields": [[name, record.dtype[name].base.str, list(record.dtype[name].shape)]
                        for name in record.dtype.names],
             "meta": json.loads(record["meta"][0].tobytes()),
             "arrays_sha256": hashlib.sha256(arrays).hexdigest()}
 
 
-def _media_index(case_input: dict) -> tuple[bytes, SampleIndex]:
+def _media_index(case_input: dict) -> tuple[bytes, mp4.SampleIndex]:
     data = Path(case_input["file"]).read_bytes()
-    return data, parse_index(lambda at, n: data[at : at + n], len(data), case_input["file"])
+    return data, mp4.parse_index(lambda at, n: data[at : at + n], len(data), case_input["file"])
 
 
 def kind_mp4_index(case_input: dict) -> dict:
     _, index = _media_index(case_input)
     scalars = ("codec", "width", "height", "track_id", "timescale")
     return ({name: getattr(index, name) for name in scalars}
-            | {name: getattr(index, name).tolist() for name in ARRAY_FIELDS})
+            | {name: getattr(index, name).tolist() for name in sidecar.ARRAY_FIELDS})
 
 
 def kind_span(case_input: dict) -> dict:

@@ -18,10 +18,8 @@ import pyarrow.parquet as pq
 import torch
 from av.video.reformatter import VideoReformatter
 
-from refstream import errors, source
+from refstream import errors, source, windows, worker
 from refstream.meta import DatasetMeta, column_array, load_meta
-from refstream.windows import make_windows, window_rows
-from refstream.worker import hf_to_torch
 
 __all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "cpu_seconds"]
 
@@ -74,8 +72,8 @@ class MapStyleVideoDataset:
     def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]]) -> None:
         self.root = Path(root)
         self.meta = load_meta(source.LocalSource(self.root))
-        self.windows = make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
-                                    feature_keys=self.meta.features)
+        self.windows = windows.make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
+                                            feature_keys=self.meta.features)
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
         table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths]).sort_by("index")
         self.columns = {name: column_array(table[name], str(self.root / "data"), name)
@@ -95,15 +93,15 @@ class MapStyleVideoDataset:
         for key, values in self.columns.items():
             offsets = self.windows.get(key)
             if offsets is None:
-                item[key] = hf_to_torch(values[first + frame])
+                item[key] = worker.hf_to_torch(values[first + frame])
             else:
-                rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = hf_to_torch(values[first + rows])
+                rows, is_pad = windows.window_rows(offsets, frame, length)
+                item[key] = worker.hf_to_torch(values[first + rows])
                 item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
         decoded = 0
         for camera in meta.camera_keys:
             offsets = self.windows.get(camera, np.zeros(1, np.int64))
-            rows, is_pad = window_rows(offsets, frame, length)
+            rows, is_pad = windows.window_rows(offsets, frame, length)
             times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
                 first + rows].astype(np.float64)
             pixels, count = decode_like_lerobot(

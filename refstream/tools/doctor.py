@@ -23,12 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refstream import errors, sidecar, synth
+from refstream import errors, sidecar, synth, windows
 from refstream.decode import EpisodeDecoder
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
-from refstream.windows import check_tolerance
 
 __all__ = ["check_dataset", "Report", "Check", "episode_tiling"]
 
@@ -119,7 +118,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     """The report of every check on ``source``, named by ``root`` (as training is given it);
     ``progress``: a bar on stderr (None: if it is a terminal); ``cache_root`` as
     :func:`refstream.sidecar.cache_folder` takes it; ``decode``: one of :data:`DECODE_MODES`."""
-    tolerance_s = check_tolerance(tolerance_s)
+    tolerance_s = windows.check_tolerance(tolerance_s)
     if decode not in DECODE_MODES:
         raise errors.UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     label = str(root) if root is not None else repr(source)
@@ -434,11 +433,11 @@ def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[i
                             tolerance_s: float, problems: _Problems) -> None:
     """Episodes sharing a video file must claim disjoint ``[from_timestamp, to_timestamp)``
     windows (beyond ``tolerance_s``): else one is served the other's frames, silently."""
-    windows = sorted((float(meta.video_from_s[camera][meta.row(episode)]),
+    claimed = sorted((float(meta.video_from_s[camera][meta.row(episode)]),
                       float(meta.video_to_s[camera][meta.row(episode)]), episode)
                      for episode, camera in users)
     furthest = None  # the window reaching furthest so far, as in the episode tiling
-    for window in windows:
+    for window in claimed:
         if furthest is not None and window[0] < furthest[1] - tolerance_s:
             problems.add(f"{relpath}: episodes {furthest[2]} [{furthest[0]}, {furthest[1]}) s "
                          f"and {window[2]} [{window[0]}, {window[1]}) s overlap: one would be "
