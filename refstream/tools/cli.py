@@ -331,7 +331,6 @@ def draw_index_progress(done: int, total: int) -> None:
 def export_index(index: VideoIndex, output: str | Path) -> Path:
     """Write ``index``'s records to ``output`` as the publishable ZIP (SPEC §10.4), atomically;
     ``UsageError`` when a file has no stable identity (nothing could validate it)."""
-    import shutil
     import zipfile
 
     from refstream import sidecar
@@ -346,8 +345,7 @@ def export_index(index: VideoIndex, output: str | Path) -> Path:
         with zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
             for path in sorted({record.path for record in index.records.values()}):
                 info = zipfile.ZipInfo(Path(path).name, date_time=(1980, 1, 1, 0, 0, 0))
-                with open(path, "rb") as data, archive.open(info, "w") as member:
-                    shutil.copyfileobj(data, member)
+                archive.writestr(info, Path(path).read_bytes())
 
     sidecar.install(output, write)
     sidecar.fsync_directory(output.parent)
