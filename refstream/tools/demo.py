@@ -1,11 +1,9 @@
 """A small, real LeRobot v3 dataset and a loopback HTTP server to stream it from; for
 ``refstream demo``, the bench and the tests, not the streaming path.
 
-``write_demo_dataset(root, ...)`` writes the layout LeRobot's recorder writes (``meta/info.json``,
-``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` (or
-several such files) with its ``stats/*`` columns, data Parquet with one row group per episode,
-videos). Like LeRobot, each episode is encoded as its own video with PyAV and the episodes of a
-file are concatenated packet by packet, each starting at the previous one's ``to_timestamp``.
+``write_demo_dataset(root, ...)`` writes what LeRobot's recorder writes (``meta/``, data Parquet
+with one row group per episode, videos); like LeRobot, it encodes each episode as its own video
+and concatenates the episodes of a file packet by packet, each at the previous ``to_timestamp``.
 
 Every frame carries its label (:func:`frame_picture`, flat grey blocks laid out as the
 ``LABEL_*`` constants say): the top row the episode id, the middle row the frame index. Flat
@@ -275,17 +273,11 @@ def fixed_size_lists(values: np.ndarray) -> pa.Array:
 
 
 def _tasks_table() -> pa.Table:
-    """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape)."""
-    pandas_metadata = {
-        "index_columns": ["task"],
-        "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
-                            "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
-        "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
-                     "numpy_type": "int64", "metadata": None},
-                    {"name": "task", "field_name": "task", "pandas_type": "unicode",
-                     "numpy_type": "object", "metadata": None}],
-        "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__},
-        "pandas_version": "2.3.3"}
+    """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape): the
+    schema's pandas metadata names the index column, which is all pandas reads back."""
+    index = {"name": "task", "field_name": "task", "pandas_type": "unicode",
+             "numpy_type": "object", "metadata": None}
+    pandas_metadata = {"index_columns": ["task"], "column_indexes": [], "columns": [index]}
     schema = pa.schema([pa.field("task_index", pa.int64()), pa.field("task", pa.string())],
                        metadata={b"pandas": json.dumps(pandas_metadata).encode()})
     return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
