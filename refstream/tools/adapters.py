@@ -4,8 +4,7 @@
 
 Inputs arrive in the protocol's encoding (``spec/README.md``, "Encoding"): the adapters decode
 the 64-bit fields written as decimal strings (:func:`decode_u64`, :func:`decode_label`) before
-calling the library, and encode such answers back. The kinds that read media (``mp4_index``,
-``span``, ``synth``) name a file relative to the fixtures folder; :func:`answer` resolves it.
+calling the library, and encode such answers back.
 """
 
 from __future__ import annotations

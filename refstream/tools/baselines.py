@@ -38,10 +38,8 @@ def cpu_seconds() -> float:
 def decode_like_lerobot(path: str, times_s: np.ndarray,
                         tolerance_s: float) -> tuple[np.ndarray, int]:
     """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded, as
-    LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
-    keyframe at or before the first time, decode forward converting every frame to RGB until one
-    is at or past the last time, then take the nearest frame per time (error beyond tolerance).
-    """
+    LeRobot's ``decode_video_frames`` with the ``pyav`` backend decodes them: every frame from
+    the keyframe before the first time to the last time converted to RGB, the nearest kept."""
     with av.open(path) as container:
         stream = container.streams.video[0]
         first_s, last_s = float(times_s.min()), float(times_s.max())

@@ -51,7 +51,6 @@ def load_runner(fixtures: Path = FIXTURES_DIR) -> ModuleType:
 
 
 def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list:
-    """Every case under ``root`` (the runner's ``Case``), optionally only those of one kind."""
     return load_runner(root).load_cases(root, [kind] if kind else [])
 
 

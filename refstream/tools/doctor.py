@@ -153,7 +153,6 @@ def unreadable(label: str, exc: errors.RefstreamError) -> Report:
 
 @contextmanager
 def _progress_bar(total: int, show: bool | None) -> Iterator[Tick]:
-    """A tick per file read, drawn as a bar on stderr if ``show`` (None: if it is a terminal)."""
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if show is None else show

@@ -5,20 +5,13 @@ Use: ``refstream lerobot-train`` (or ``torchrun ... -m refstream.tools.lerobot_t
 ``lerobot-train``'s own flags, as the README's "Training with LeRobot" shows. It runs LeRobot's
 ``train()`` unchanged and replaces, for the run only, four things around it:
 
-* LeRobot's dataset factory (``make_train_eval_datasets``: delta_timestamps from the policy,
-  ``--dataset.episodes``, the eval split, image transforms, ImageNet statistics) makes
-  ``StreamingDataset``\\ s where it would make ``LeRobotDatasetMetadata`` and ``LeRobotDataset``,
-  with the run's seed, batch size and worker count; the run is a streaming one
-  (``dataset.streaming=true``), so the trainer builds its DataLoader without a sampler;
-* DataLoader workers are capped at the fewest episodes a rank owns in any of these datasets
-  (a worker streams whole episodes);
-* accelerate's ``prepare`` hands back the DataLoader of a ``StreamingDataset`` without splitting,
-  dispatching or gathering its batches (each rank streams its own episodes, SPEC §9.5); each pass
-  after the first starts the next epoch (``set_epoch``), and with several ranks an epoch ends as
-  SPEC §9.5 says;
-* each checkpoint also holds the data position (``training_state/refstream_data.json``,
-  ``StreamingDataset.state_dict``), and ``--resume=true`` loads it: the run continues with the
-  batches the interrupted one would have taken next.
+* LeRobot's dataset factory makes ``StreamingDataset``\\ s, with the run's seed, batch size and
+  worker count, in a streaming run: the trainer's DataLoader has no sampler (``_Run``);
+* DataLoader workers are capped at the fewest episodes a rank owns (a worker streams whole
+  episodes);
+* accelerate's ``prepare`` hands a ``StreamingDataset``'s DataLoader back unsplit, each further
+  pass the next epoch (SPEC §9.5, ``_Loader``);
+* each checkpoint also holds the data position, which ``--resume=true`` loads.
 
 Everything else — policy, processors, optimizer, logging, evaluation, checkpoints — is LeRobot's.
 lerobot is imported only here (the ``lerobot`` extra).
@@ -52,7 +45,6 @@ DATA_STATE = "refstream_data.json"  # in a checkpoint's training_state/, beside 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``lerobot-train`` with ``argv`` (its own flags) on ``StreamingDataset``."""
     sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # LeRobot parses these
     run = _Run()
     with mock.patch.multiple(lerobot_train, make_train_eval_datasets=run.make_datasets,
