@@ -21,15 +21,15 @@ rest) and ``collate`` (the DataLoader's collation, part of the loader's); decodi
 the amplification, RGB conversion with the frames delivered; time to the first
 batch; peak RSS (sampled through the pass) and PSS (at its first batch and end) above the main
 process's; decode amplification (decoded ÷ delivered frames); the server's requests and bytes
-against the minimal spans. The write floor: CPU per sample to write its camera values into a
-ready batch from decoded planes, float32 and uint8 (``write_floor``), which bounds what the
-float32 row can reach beside its decode limit. The memory table: for each worker count, byte budget and pool
-size of ``BenchConfig``, the peak total PSS of a new training process streaming one epoch and
-its workers. One epoch through the Hub that ``refstream.tools.scale`` emulates counts the
-``/resolve/`` requests per file the main process and the workers made (each file's signed
-target shared for its lifetime). Then planner figures for a DROID-sized rank, the Hub resolves
-of a DROID-sized run (``droid.hub_resolves``), and the targets (n/a where made for another
-run). The machine's other work shows in every figure.
+against the minimal spans. The write floor: CPU per sample to write its camera values into a ready
+batch from decoded planes, float32 and uint8 (``write_floor``), which bounds what the float32 row
+can reach beside its decode limit. The memory table: for each worker count, byte budget and pool
+size of ``BenchConfig``, the peak total PSS of a new training process streaming one epoch and its
+workers. One epoch through the Hub that ``refstream.tools.scale`` emulates counts the ``/resolve/``
+requests per file the main process and the workers made (each file's signed target shared for its
+lifetime). Then planner figures for a DROID-sized rank, the Hub resolves of a DROID-sized run
+(``droid.hub_resolves``), and the targets (n/a where made for another run). The machine's other work
+shows in every figure.
 """
 
 from __future__ import annotations
