@@ -18,9 +18,10 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 
 import numpy as np
 import torch
@@ -254,24 +255,37 @@ class WorkerStream:
             to_admit.extend(admitted)
             self.drained.update(drained)
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
+            if episode not in self.payloads:  # fetched in the order anchors need them
+                self._start_fetch(episode)
             yield episode, frame
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors (each decode thread the requests of its
-        own decoders), then free the episodes they finish. Decoded frames are kept for later
-        anchors in what the budget's reservations leave (SPEC §9.3)."""
-        for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
-            self._gather(made, slot)
-            self.in_flight[episode] -= 1
+        """Gather and decode the group's new anchors, each as soon as its payload is there
+        (each decode thread the requests of its own decoders, this one between gathers), then
+        free the episodes they finish. Decoded frames are kept for later anchors in what the
+        budget's reservations leave (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
-        futures = [self.decode_pool.submit(self._decode_part, made, thread)
+        queues = [SimpleQueue() for _ in self.decoders]
+        futures = [self.decode_pool.submit(self._decode_part, made, thread,
+                                           iter(queues[thread].get, None))
                    for thread in range(1, len(self.decoders))]
-        self._decode_part(made, 0)
-        for future in futures:
-            future.result()
+        try:
+            for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
+                gathered = len(made.requests)
+                self._gather(made, slot)
+                self.in_flight[episode] -= 1
+                for request in made.requests[gathered:]:  # (slot, episode, camera, ...)
+                    queues[(request[1] + self.cameras.index(request[2])) % len(queues)].put(request)
+                queues[0].put(None)
+                self._decode_part(made, 0, iter(queues[0].get, None))
+        finally:
+            for queue in queues[1:]:
+                queue.put(None)
+            for future in futures:
+                future.result()
         made.requests.clear()
         made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
@@ -280,6 +294,8 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
+        for episode in planner.resident:  # admitted, no anchor asked for them yet
+            self._start_fetch(episode)
         self._prefetch(planner)  # after the group: the first waits for no frontier episode
 
     def _gather(self, made: _Group, slot: int) -> None:
@@ -298,14 +314,13 @@ class WorkerStream:
                 made.requests.append((slot, episode, key, videos[key], pts))
         made.values["task"].append(self.meta.tasks[int(columns["task_index"][frame])])
 
-    def _decode_part(self, made: _Group, thread: int) -> None:
-        """Decode the group's requests that go to the decoders of ``thread``."""
-        for slot, episode, camera, video, pts in made.requests:
-            if (episode + self.cameras.index(camera)) % len(self.decoders) == thread:
-                decoders = self.decoders[thread]
-                decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
-                                           video.stsd, video.keyframes, video.demand)
-                decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
+    def _decode_part(self, made: _Group, thread: int, requests: Iterable[tuple]) -> None:
+        """Decode ``requests`` of the group, each going to the decoders of ``thread``."""
+        decoders = self.decoders[thread]
+        for slot, episode, camera, video, pts in requests:
+            decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
+                                       video.stsd, video.keyframes, video.demand)
+            decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -329,13 +344,12 @@ class WorkerStream:
     # --- admission, prefetch and release ------------------------------------------------------
 
     def _admit(self, episode: int, wait: bool) -> bool:
-        """Reserve ``episode`` and start its fetch; False if it must wait (only if not ``wait``)."""
+        """Reserve ``episode`` (fetched when needed); False if it must wait (only if not wait)."""
         timeout_s = None if wait else 0
         if not self.budget.acquire(episode, self.byte_sizes[episode], timeout_s=timeout_s):
             return False
         for evicted in self.budget.take_evicted():
             self._discard(evicted)
-        self._start_fetch(episode)
         return True
 
     def _prefetch(self, planner: Planner) -> None:
