@@ -141,6 +141,15 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     assert hub["target_requests"] >= QUICK.episodes * QUICK.cameras  # spans from the targets
 
 
+def test_the_first_batch_alone_from_the_command_line(cache, root, monkeypatch, capsys):
+    # x1 and x2 (--quick's scale) in turn: both datasets' first batches, and the flat target.
+    monkeypatch.setenv("REFSTREAM_CACHE", cache)
+    assert main(["bench", "--quick", "--first-batch"]) == 0
+    line, target = capsys.readouterr().out.splitlines()
+    assert line.startswith("time to first batch over HTTP, sidecar built: x1 ") and " x2 " in line
+    assert "flat in dataset size: x2 <= 1.3 x the x1 time" in target
+
+
 def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
     # A DataLoader's workers finish prefetch_factor x num_workers batches before the consumer
     # receives them: those arrive with no CPU spent, which must not dilute the steady figure.
