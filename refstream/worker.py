@@ -261,26 +261,24 @@ class WorkerStream:
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors, each as soon as its payload is there
-        (each decode thread the requests of its own decoders, this one between gathers), then
-        free the episodes they finish. Decoded frames are kept for later anchors in what the
-        budget's reservations leave (SPEC §9.3)."""
+        """Gather and decode the group's new anchors (each decode thread the requests of its
+        own decoders; what is gathered is decoded while a payload is awaited), then free the
+        episodes they finish. Decoded frames are kept for later anchors in what the budget's
+        reservations leave (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
-        queues = [SimpleQueue() for _ in self.decoders]
-        futures = [self.decode_pool.submit(self._decode_part, made, thread,
-                                           iter(queues[thread].get, None))
+        queues = [SimpleQueue() for _ in self.decoders]  # of lists of requests, then None
+        futures = [self.decode_pool.submit(self._decode_queued, made, thread, queues[thread])
                    for thread in range(1, len(self.decoders))]
+        handed = 0  # requests given to the decode threads
         try:
             for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
-                gathered = len(made.requests)
+                if not self.payloads[episode].done():
+                    handed = self._hand_out(made, queues, handed)
                 self._gather(made, slot)
                 self.in_flight[episode] -= 1
-                for request in made.requests[gathered:]:  # (slot, episode, camera, ...)
-                    queues[(request[1] + self.cameras.index(request[2])) % len(queues)].put(request)
-                queues[0].put(None)
-                self._decode_part(made, 0, iter(queues[0].get, None))
+            self._hand_out(made, queues, handed)
         finally:
             for queue in queues[1:]:
                 queue.put(None)
@@ -313,6 +311,21 @@ class WorkerStream:
                 pts = videos[key].serving_pts[np.atleast_1d(rows)]
                 made.requests.append((slot, episode, key, videos[key], pts))
         made.values["task"].append(self.meta.tasks[int(columns["task_index"][frame])])
+
+    def _hand_out(self, made: _Group, queues: list[SimpleQueue], start: int) -> int:
+        """Give the group's requests from ``start`` on to the threads of their decoders, this
+        thread's decoded now; the count of requests given so far."""
+        parts = [[] for _ in queues]
+        for request in made.requests[start:]:  # (slot, episode, camera, video, pts)
+            parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
+        for queue, part in zip(queues[1:], parts[1:], strict=True):
+            queue.put(part)
+        self._decode_part(made, 0, parts[0])
+        return len(made.requests)
+
+    def _decode_queued(self, made: _Group, thread: int, queue: SimpleQueue) -> None:
+        for requests in iter(queue.get, None):
+            self._decode_part(made, thread, requests)
 
     def _decode_part(self, made: _Group, thread: int, requests: Iterable[tuple]) -> None:
         """Decode ``requests`` of the group, each going to the decoders of ``thread``."""
