@@ -255,36 +255,32 @@ class WorkerStream:
             to_admit.extend(admitted)
             self.drained.update(drained)
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-            if episode not in self.payloads:  # fetched in the order anchors need them
-                self._start_fetch(episode)
+            self._start_fetch(episode)  # in the order anchors need them
             yield episode, frame
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors (each decode thread the requests of its
-        own decoders; what is gathered is decoded while a payload is awaited), then free the
-        episodes they finish. Decoded frames are kept for later anchors in what the budget's
-        reservations leave (SPEC §9.3)."""
+        """Gather and decode the group's new anchors (each decode thread the requests of its own
+        decoders, those gathered while a payload is awaited), then free the episodes they finish.
+        Decoded frames are kept for later anchors in what the reservations leave (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
         queues = [SimpleQueue() for _ in self.decoders]  # of lists of requests, then None
-        futures = [self.decode_pool.submit(self._decode_queued, made, thread, queues[thread])
-                   for thread in range(1, len(self.decoders))]
-        handed = 0  # requests given to the decode threads
+        futures = [self.decode_pool.submit(self._decode_part, made, t, iter(queues[t].get, None))
+                   for t in range(1, len(queues))]
         try:
             for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
                 if not self.payloads[episode].done():
-                    handed = self._hand_out(made, queues, handed)
+                    self._hand_out(made, queues)
                 self._gather(made, slot)
                 self.in_flight[episode] -= 1
-            self._hand_out(made, queues, handed)
+            self._hand_out(made, queues)
         finally:
             for queue in queues[1:]:
                 queue.put(None)
-            for future in futures:
-                future.result()
-        made.requests.clear()
+        for future in futures:  # after this thread's error, as when it decoded its part first
+            future.result()
         made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
         for episode in finished:  # drained, its last anchor decoded: free its bytes and decoders
@@ -312,25 +308,20 @@ class WorkerStream:
                 made.requests.append((slot, episode, key, videos[key], pts))
         made.values["task"].append(self.meta.tasks[int(columns["task_index"][frame])])
 
-    def _hand_out(self, made: _Group, queues: list[SimpleQueue], start: int) -> int:
-        """Give the group's requests from ``start`` on to the threads of their decoders, this
-        thread's decoded now; the count of requests given so far."""
+    def _hand_out(self, made: _Group, queues: list[SimpleQueue]) -> None:
+        """Give the requests gathered to the threads of their decoders (this one's decoded now)."""
         parts = [[] for _ in queues]
-        for request in made.requests[start:]:  # (slot, episode, camera, video, pts)
+        for request in made.requests:  # (slot, episode, camera, video, pts)
             parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
+        made.requests.clear()
         for queue, part in zip(queues[1:], parts[1:], strict=True):
             queue.put(part)
-        self._decode_part(made, 0, parts[0])
-        return len(made.requests)
+        self._decode_part(made, 0, parts[:1])
 
-    def _decode_queued(self, made: _Group, thread: int, queue: SimpleQueue) -> None:
-        for requests in iter(queue.get, None):
-            self._decode_part(made, thread, requests)
-
-    def _decode_part(self, made: _Group, thread: int, requests: Iterable[tuple]) -> None:
-        """Decode ``requests`` of the group, each going to the decoders of ``thread``."""
+    def _decode_part(self, made: _Group, thread: int, parts: Iterable[list[tuple]]) -> None:
+        """Decode the group's requests of ``parts``, all going to the decoders of ``thread``."""
         decoders = self.decoders[thread]
-        for slot, episode, camera, video, pts in requests:
+        for slot, episode, camera, video, pts in itertools.chain.from_iterable(parts):
             decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
                                        video.stsd, video.keyframes, video.demand)
             decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())

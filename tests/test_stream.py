@@ -284,9 +284,9 @@ def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch
         events.append(episode)
         return fetch(self, episode)
 
-    def decoded(self, made, thread, requests):
+    def decoded(self, made, thread, parts):
         events.append("decode")
-        decode_part(self, made, thread, requests)
+        decode_part(self, made, thread, parts)
 
     def emitted(self, *arguments):
         events.append("emit")
