@@ -1,24 +1,24 @@
 """PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time
-(SPEC §10.8; the camera values of SPEC §9.1).
+(SPEC §10.8; the camera values of SPEC §9.1). The only module that imports PyAV.
 
 Use::
 
-    chosen = select_frames(pts_ticks, timescale, times_s, tolerance_s)   # the frame of each time
     with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
-        frames = decoder.frames(pts_ticks[chosen], np.float32)            # (T, 3, H, W)
-        decoder.frames(pts_ticks[chosen], out=batch[i])                   # or into given memory
+        frames = decoder.frames(pts_ticks, np.float32)     # (T, 3, H, W), request order
+        decoder.frames(pts_ticks, out=batch[i])            # or into given memory
     cache = DecoderCache(capacity, keep_bytes)   # LRU keyed (episode, camera), one thread's
     decoder = cache.decoder((3, "top"), mp4_bytes, span.start_pts, keyframes=k, demand=counts)
-    decoder.frames(pts_ticks[chosen], room=cache.room())
+    decoder.frames(pts_ticks, room=cache.room())
 
-Times are source pts in ticks of the track's timescale; ``start_pts`` is the source pts of the
-video's local time 0. A decoder converts exactly the frames asked into their places, as
-``uint8`` or ``float32`` RGB (SPEC §10.8). The only module that imports PyAV: its errors become
-:class:`DecodeError`, cause chained; an unserved time is :class:`FrameNotFound` (SPEC §10.8).
+``pts_ticks`` are source presentation times in ticks of the track's timescale, as
+:func:`refstream.synth.serving_pts` chooses them; ``start_pts`` is the source pts of the video's
+local time 0. Frames come as ``uint8`` or ``float32`` RGB; PyAV's errors become
+:class:`~refstream.errors.DecodeError`, cause chained.
 
-Given ``demand`` (source pts -> requests to come, counted down as served) and the ``keyframes``'
-source pts, a decoder keeps the frames it decoded that later requests want, in ``room`` bytes, up
-to the last such frame of the GOP it stops in: each GOP is decoded once while wanted (SPEC §9.3).
+Given ``demand`` (source pts -> requests still to come, counted down as they are served) and the
+source pts of the ``keyframes``, a decoder keeps decoded frames that later requests want, in
+``room`` bytes, and decodes on past the last frame asked to the last frame of the same GOP that
+a later request wants: while wanted, each GOP is decoded once (SPEC §9.3).
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from refstream.errors import DecodeError, FrameNotFound, MalformedMp4, UsageError, check_at_least
-from refstream.mp4 import walk_boxes
-from refstream.synth import serving_samples
+from refstream.errors import DecodeError, UsageError, check_at_least
+from refstream.mp4 import decoder_setup
 
-__all__ = ["EpisodeDecoder", "DecoderCache", "select_frames", "PIXEL_DTYPES"]
+__all__ = ["EpisodeDecoder", "DecoderCache", "PIXEL_DTYPES"]
 
 PIXEL_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 # PyAV 17 and later scale with a thread per CPU unless told ``threads=1``; earlier releases scale
@@ -54,24 +53,25 @@ class EpisodeDecoder:
                  keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self.demand = demand  # source pts -> requests still to come (None: keep nothing)
-        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local
+        self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local ticks
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
         self.kept_bytes = 0
         self._container = self._open()
         self._scaler = VideoReformatter()
-        self.decoded_frames = 0
         stream = self._container.streams.video[0]
         # Packets go to the codec context of a peer whose sample description (``stsd``, as
         # ``SampleIndex.stsd``) sets a decoder up alike, when there is one: dozens of open
         # contexts, each with its own frames and tables, cost cache misses. The context is
         # flushed before every use.
-        self.setup = _decoder_setup(stsd) if stsd else None
+        self.setup = decoder_setup(stsd) if stsd else None
         peer = next((p for p in peers if self.setup and p.setup == self.setup), None)
         self.codec = stream.codec_context if peer is None else peer.codec
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
-        self._frame_bytes = 3 * self.width * self.height  # until a frame says (8-bit 4:4:4 at most)
-        rate = stream.average_rate  # frames per second, None if unknown; ticks: the time base
+        # A decoded frame's bytes: the most an 8-bit frame takes (4:4:4) until one is decoded.
+        self._frame_bytes = 3 * self.width * self.height
+        rate = stream.average_rate  # frames per second, None if unknown
+        # One frame's duration in ticks of the stream's time base (1 if the rate is unknown).
         self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
 
     def _open(self):
@@ -139,9 +139,9 @@ class EpisodeDecoder:
         """The last frame to decode: the last ``missing`` one, or past it the last frame of its
         GOP a later request wants, as far as ``room`` keeps them."""
         last = max(missing)
-        end = self._keyframes[bisect_right(self._keyframes, last)]  # the next GOP's start
+        next_gop = self._keyframes[bisect_right(self._keyframes, last)]  # its first frame's pts
         ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
-                                           bisect_left(self._demanded, end)]
+                                           bisect_left(self._demanded, next_gop)]
                  if p not in self.kept and self._wanted_later(p)]
         return max([last, *ahead[:room // self._frame_bytes]])
 
@@ -190,13 +190,13 @@ class EpisodeDecoder:
         self.codec.flush_buffers()
         packets = self._container.demux(self._container.streams.video[0])
         for frame in (frame for packet in packets for frame in self.codec.decode(packet)):
-            self.decoded_frames += 1
             if frame.pts is None:
                 raise DecodeError(f"{self.label}: a decoded frame has no presentation time")
             if first_pts is None:
                 first_pts = frame.pts
                 if first_pts > first:
-                    break  # the caller seeks further back (after a reopen, nothing serves first)
+                    # _decode seeks further back; after a reopen, the video has no such frame.
+                    break
             if frame.pts in wanted or self._wanted_later(frame.pts):
                 frames[frame.pts] = frame
             if frame.pts >= last:
@@ -236,43 +236,6 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
     g, b, r = (np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
                [:, :frame.width] for plane in planes)
     return [r, g, b]
-
-
-# FFmpeg sets a decoder up from the sample entry (codec, size, its configuration box such as
-# av1C/avcC/hvcC: the extradata; colr: the colour of frames whose bitstream does not say, which
-# the RGB conversion reads; pasp, fiel, ...) but for btrt, a bit rate it reports only, which
-# differs between the files of one camera. A sample description not made of plain boxes is its
-# own setup.
-_ENTRY_BOXES = 8 + 86  # stsd version, flags and entry count; a VisualSampleEntry's own fields
-
-
-def _decoder_setup(stsd: bytes) -> bytes:
-    entry_end = 8 + int.from_bytes(stsd[8:12], "big")
-    try:
-        boxes = walk_boxes(stsd, _ENTRY_BOXES, entry_end, 0, "sample description")
-    except MalformedMp4:
-        return stsd
-    kept = (stsd[box.offset:box.end] for box in boxes if box.type != "btrt")
-    return b"".join([stsd[:_ENTRY_BOXES], *kept, stsd[entry_end:]])
-
-
-def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
-                  tolerance_s: float, label: str = "video") -> np.ndarray:
-    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each request, of those
-    :func:`refstream.synth.serving_samples` finds (SPEC §10.8); ``FrameNotFound`` if none does."""
-    pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
-    matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
-    unserved = matches.unserved(len(times_s))
-    if len(unserved):
-        t = float(times_s[unserved[0]])
-        pts_s = pts_ticks.astype(np.float64) / timescale
-        nearest = (f"nearest frame at {float(pts_s[np.argmin(np.abs(pts_s - t))])!r} s"
-                   if len(pts_s) else "no frame decoded")
-        raise FrameNotFound(f"{label}: no frame within tolerance {tolerance_s} s of time "
-                            f"{t!r} s ({nearest})")
-    order = np.lexsort((pts_ticks[matches.sample], matches.distance_s, matches.request))
-    best = order[np.flatnonzero(np.diff(matches.request[order], prepend=-1))]
-    return matches.sample[best]
 
 
 class DecoderCache:

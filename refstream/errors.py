@@ -2,11 +2,12 @@
 fault it is) and the conformance kinds that may expect it.
 
 A class that matches a builtin category also derives from it (``ValueError``, ``TimeoutError``,
-``OSError``), so generic handlers keep working. The edges translate lower-layer exceptions
-(``OSError``, ``requests``, ``av``, ``pyarrow``) into these with ``raise … from exc``; messages
-name the file, episode, field, box or byte range involved. A DataLoader raises a worker's error
-again in the training process as the same class: :func:`_from_worker` (the last section) gives it
-the worker's message and keeps the worker's traceback apart in ``worker_traceback``.
+``OSError``), so generic handlers keep working. Each foreign family is translated once, at its
+edge, with ``raise … from exc``: ``OSError`` in ``source``, ``requests`` in ``http``, pyarrow in
+``meta`` and ``tables``, a corrupt NPY or ZIP file in ``sidecar``, PyAV in ``decode``. A
+DataLoader raises a worker's error again in the training process as the same class, built from
+torch's text: :func:`_from_worker` (the last section) gives it the worker's message and keeps the
+worker's traceback apart in ``worker_traceback``.
 """
 
 from __future__ import annotations

@@ -6,13 +6,10 @@ Usage::
     source = HTTPSource("https://host/dataset", token=None, retry=RetryPolicy())
     source.read_range("data/chunk-000/file-000.parquet", 0, 4096)   # the refstream.source calls
 
-:func:`judge_response` is I/O-free: from what a GET asked and the answer's status and headers it
-returns a decision — :class:`Accept` (how to read the body), :class:`Retry` or :class:`FallBack`
-(the server does not serve suffix ranges) — or raises the error that ends the request.
-:class:`HTTPSource` does the I/O around it: one ``requests.Session`` shared by every thread;
-redirects followed by hand; the token sent to the base URL's origin only; ``.netrc`` never read.
-Each retry and each rate-limit wait is logged at WARNING on the ``refstream.http`` logger (URL,
-byte range, attempt or quota, delay); no message carries a token or a request header.
+:func:`judge_response` is I/O-free: a request and its answer's status and headers give a decision
+(:class:`Accept`, :class:`Retry`, :class:`FallBack`) or the error that ends the request.
+:class:`HTTPSource` does the I/O around it, turns ``requests`` errors into refstream's, and logs
+each retry and wait at WARNING on ``refstream.http``, never a token or a request header.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ from refstream.errors import (
     ShortRead,
     UsageError,
 )
-from refstream.meta import check_relpath
-from refstream.source import Source, byte_range, check_span, check_tail
+from refstream.source import Source, byte_range, check_relpath, check_span, check_tail
 
 __all__ = ["HTTPSource", "RetryPolicy", "Accept", "Retry", "FallBack", "judge_response",
            "parse_retry_after", "parse_decimal"]
@@ -57,6 +53,7 @@ log = logging.getLogger(__name__)
 WHOLE_BODY_CAP_BYTES = 1 << 20
 # Transient statuses (RFC 9110: 408 timeout, 425 too early, 429 rate limit, 5xx server side).
 RETRY_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
+ABSENT_STATUSES = frozenset({404, 410})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5  # the Hub needs 1 (resolve -> CDN); more hops mean a loop
 _CHUNK_BYTES = 1 << 16  # socket read granularity for response bodies
@@ -105,49 +102,17 @@ def judge_response(status: int, headers: Mapping[str, str], *,
     ``Retry-After`` date is measured from (default: the clock)."""
     asked_range = first_last is not None or suffix is not None
     if status in RETRY_STATUSES:
-        after_s = parse_retry_after(headers.get("Retry-After"), now)
-        spent = _RATE_LIMIT.match(headers.get("RateLimit", "").strip(" \t"))
-        if status in (429, 503) and spent:
-            return Retry(HTTPStatusError(f"{where}: HTTP {status}"),
-                         max(float(spent[2]), after_s or 0.0), spent[1])
-        return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
+        return _retry(status, headers, where, now)
     if status == 200 and not asked_range:
         size = parse_decimal(headers.get("Content-Length"))
         return Accept(body_bytes=size, skip_bytes=0, file_size=None, answer_bytes=None)
     if status == 206 and asked_range:
-        match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
-        if match is None or (first_last is None and match[3] == "*"):  # a suffix needs the size
-            raise _bad_content_range(headers, where)
-        got_first, got_last = int(match[1]), int(match[2])
-        total = None if match[3] == "*" else int(match[3])
-        _check_size(known_size, total, where)
-        first, last = first_last or _suffix_range(suffix, total)
-        if (got_first, got_last) != (first, last):
-            if got_first == first and total is not None and got_last == total - 1 < last:
-                raise ShortRead(f"{where}: file has only {total} bytes")
-            raise _bad_content_range(headers, where)
-        length = last - first + 1
-        return Accept(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
+        return _partial(headers, first_last, suffix, known_size, where)
     if status == 200 and asked_range:  # the server ignored Range
-        if "Content-Range" in headers:
-            raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
-        total = parse_decimal(headers.get("Content-Length"))
-        if total is None:
-            raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
-        if total > whole_body_cap_bytes and suffix is not None:
-            return FallBack()
-        if total > whole_body_cap_bytes:
-            raise BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
-                                   f"({total} bytes > {whole_body_cap_bytes}-byte cap)")
-        _check_size(known_size, total, where)
-        first, last = first_last or _suffix_range(suffix, total)
-        if total <= last:
-            raise ShortRead(f"{where}: file has only {total} bytes")
-        return Accept(body_bytes=total, skip_bytes=first, file_size=total,
-                      answer_bytes=last - first + 1)
+        return _whole_file(headers, first_last, suffix, known_size, whole_body_cap_bytes, where)
     if status == 416 and suffix is not None:
         return FallBack()
-    if status in (404, 410):
+    if status in ABSENT_STATUSES:
         raise MalformedDataset(f"{where}: missing from the dataset (HTTP {status})")
     if status == 412:
         raise PayloadChanged(f"{where}: HTTP 412, the file changed since indexed")
@@ -155,6 +120,56 @@ def judge_response(status: int, headers: Mapping[str, str], *,
         extra = headers.get("Content-Range", "")
         raise BadRangeResponse(f"{where}: HTTP 416 range not satisfiable {extra}".rstrip())
     raise HTTPStatusError(f"{where}: HTTP {status}")
+
+
+def _retry(status: int, headers: Mapping[str, str], where: str, now: datetime | None) -> Retry:
+    """A transient status: when the server says to come back, and which quota it spent."""
+    after_s = parse_retry_after(headers.get("Retry-After"), now)
+    spent = _RATE_LIMIT.match(headers.get("RateLimit", "").strip(" \t"))
+    if status in (429, 503) and spent:
+        return Retry(HTTPStatusError(f"{where}: HTTP {status}"),
+                     max(float(spent[2]), after_s or 0.0), spent[1])
+    return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
+
+
+def _partial(headers: Mapping[str, str], first_last: tuple[int, int] | None,
+             suffix: int | None, known_size: int | None, where: str) -> Accept:
+    """A 206 answer: its ``Content-Range`` must be the range asked."""
+    match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip(" \t"))
+    if match is None or (first_last is None and match[3] == "*"):  # a suffix needs the size
+        raise _bad_content_range(headers, where)
+    got_first, got_last = int(match[1]), int(match[2])
+    total = None if match[3] == "*" else int(match[3])
+    _check_size(known_size, total, where)
+    first, last = first_last or _suffix_range(suffix, total)
+    if (got_first, got_last) != (first, last):
+        if got_first == first and total is not None and got_last == total - 1 < last:
+            raise ShortRead(f"{where}: file has only {total} bytes")
+        raise _bad_content_range(headers, where)
+    length = last - first + 1
+    return Accept(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
+
+
+def _whole_file(headers: Mapping[str, str], first_last: tuple[int, int] | None,
+                suffix: int | None, known_size: int | None, cap_bytes: int,
+                where: str) -> Accept | FallBack:
+    """A 200 answer to a range: the range is cut from the whole file, when it is small."""
+    if "Content-Range" in headers:
+        raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
+    total = parse_decimal(headers.get("Content-Length"))
+    if total is None:
+        raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
+    if total > cap_bytes and suffix is not None:
+        return FallBack()
+    if total > cap_bytes:
+        raise BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
+                               f"({total} bytes > {cap_bytes}-byte cap)")
+    _check_size(known_size, total, where)
+    first, last = first_last or _suffix_range(suffix, total)
+    if total <= last:
+        raise ShortRead(f"{where}: file has only {total} bytes")
+    return Accept(body_bytes=total, skip_bytes=first, file_size=total,
+                  answer_bytes=last - first + 1)
 
 
 def _suffix_range(suffix: int, size: int) -> tuple[int, int]:
@@ -217,6 +232,30 @@ class RetryPolicy:
         return random.uniform(0.0, min(self.backoff_cap_s, self.backoff_base_s * 2 ** (retry - 1)))
 
 
+@dataclass(frozen=True)
+class _Request:
+    """One logical request of :class:`HTTPSource`; ``where`` is how messages name it."""
+
+    url: str
+    where: str
+    relpath: str | None = None  # the file whose size and identity the answer is checked against
+    method: str = "GET"
+    first_last: tuple[int, int] | None = None  # Range: bytes=first-last
+    suffix: int | None = None  # Range: bytes=-suffix
+    absent_ok: bool = False  # an absent file is None, not MalformedDataset
+
+    def headers(self) -> dict[str, str]:
+        if self.first_last is not None:
+            return {"Range": f"bytes={self.first_last[0]}-{self.first_last[1]}"}
+        return {} if self.suffix is None else {"Range": f"bytes=-{self.suffix}"}
+
+
+@dataclass(frozen=True)
+class _Answer:
+    body: bytes  # the bytes asked (none for a HEAD)
+    hops: list[requests.Response]  # the redirect chain, the final response last
+
+
 # --- the source --------------------------------------------------------------------------------
 
 
@@ -257,28 +296,37 @@ class HTTPSource(Source):
 
     def read_bytes(self, relpath: str) -> bytes:
         url = self.url(relpath)
-        return self._get(url, url, relpath)[0]
+        return self._get(_Request(url, url, relpath)).body
+
+    def read_if_present(self, relpath: str) -> bytes | None:
+        url = self.url(relpath)  # one GET, not a HEAD first
+        answer = self._get(_Request(url, url, relpath, absent_ok=True))
+        return None if answer is None else answer.body
 
     def read_range(self, relpath: str, offset: int, length: int) -> bytes:
         url = self.url(relpath)
         check_span(url, offset, length)
         if length == 0:
             return b""
-        where = f"{url} {byte_range(offset, length)}"
-        return self._get(url, where, relpath, first_last=(offset, offset + length - 1))[0]
+        request = _Request(url, f"{url} {byte_range(offset, length)}", relpath,
+                           first_last=(offset, offset + length - 1))
+        return self._get(request).body
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         url = self.url(relpath)
         check_tail(url, length)
         where = f"{url} bytes -{length}"  # HTTP's suffix form: the last `length` bytes
-        answer = self._get(url, where, relpath, suffix=length)
+        answer = self._get(_Request(url, where, relpath, suffix=length))
         if isinstance(answer, FallBack):
             return super().read_tail(relpath, length)  # the size from HEAD, then a range
-        return answer[0], self._sizes[relpath]
+        return answer.body, self._sizes[relpath]
 
     def size(self, relpath: str) -> int:
         known = self._sizes.get(relpath)
         return self._head(relpath)[0] if known is None else known
+
+    def size_if_present(self, relpath: str) -> int | None:
+        return self._head(relpath, absent_ok=True)[0]
 
     def identity(self, relpath: str) -> str:
         return self._head(relpath)[1]
@@ -288,60 +336,62 @@ class HTTPSource(Source):
 
     def get_url(self, url: str) -> tuple[bytes, Mapping[str, str]]:
         """GET an absolute URL (a Hub API call), retried: its body and headers."""
-        body, hops = self._get(url, url)
-        return body, hops[-1].headers
+        answer = self._get(_Request(url, url))
+        return answer.body, answer.hops[-1].headers
 
     # --- one logical request: attempts until one is not a Retry -----------------------------
 
-    def _head(self, relpath: str) -> tuple[int, str]:
-        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered."""
+    def _head(self, relpath: str, absent_ok: bool = False) -> tuple[int, str] | tuple[None, None]:
+        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered.
+        ``(None, None)`` when the file is absent and ``absent_ok``."""
         url = self.url(relpath)
         where = f"HEAD {url}"
-        hops = self._get(url, where, method="HEAD")[1]
+        answer = self._get(_Request(url, where, method="HEAD", absent_ok=absent_ok))
+        if answer is None:
+            return None, None
+        hops = answer.hops
         size = parse_decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
         if size is None:
             raise BadRangeResponse(f"{where}: no Content-Length")
         self._sizes[relpath] = size
         return size, _identity_of(hops)
 
-    def _get(self, url: str, where: str, relpath: str | None = None, *, method: str = "GET",
-             first_last: tuple[int, int] | None = None,
-             suffix: int | None = None) -> tuple[bytes, list[requests.Response]] | FallBack:
-        """``method`` ``url`` (see :func:`judge_response`), retried: the answer (none for a HEAD)
-        and the responses of the redirect chain."""
-        headers = {}
-        if first_last is not None:
-            headers["Range"] = f"bytes={first_last[0]}-{first_last[1]}"
-        if suffix is not None:
-            headers["Range"] = f"bytes=-{suffix}"
+    def _get(self, request: _Request) -> _Answer | FallBack | None:
+        """``request``'s answer, attempted until it is no :class:`Retry`; None: the file is
+        absent and ``request.absent_ok``."""
+        return self._retrying(request.where, lambda: self._attempt(request))
 
-        def attempt() -> tuple[bytes, list[requests.Response]] | Retry | FallBack:
-            response, hops = self._send(method, url, headers, where)
-            with contextlib.closing(response):
-                self._refuse(response.status_code, response.headers, where)
-                decision = judge_response(response.status_code, response.headers,
-                                          first_last=first_last, suffix=suffix,
-                                          known_size=self._sizes.get(relpath), where=where)
-                if not isinstance(decision, Accept):
-                    return decision
-                if method == "HEAD":  # no body: the headers are the answer
-                    return b"", hops
-                body, broken = self._read_body(response, decision.body_bytes)
-            expected = decision.body_bytes
-            if broken or (expected is not None and len(body) < expected):
-                of = "" if expected is None else f" of {expected}"
-                return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
-            if expected is not None and len(body) > expected:
-                raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
-            if relpath is not None:
-                if decision.file_size is not None:
-                    self._sizes.setdefault(relpath, decision.file_size)
-                self._check_identity(relpath, _identity_of(hops), where)
-            if decision.answer_bytes is not None:
-                body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
-            return body, hops
+    def _attempt(self, request: _Request) -> _Answer | Retry | FallBack | None:
+        response, hops = self._send(request.method, request.url, request.headers(), request.where)
+        with contextlib.closing(response):
+            status, headers = response.status_code, response.headers
+            if request.absent_ok and self._absent(status, headers):
+                return None
+            self._refuse(status, headers, request.where)
+            decision = judge_response(status, headers, first_last=request.first_last,
+                                      suffix=request.suffix, where=request.where,
+                                      known_size=self._sizes.get(request.relpath))
+            if not isinstance(decision, Accept) or request.method == "HEAD":
+                return _Answer(b"", hops) if isinstance(decision, Accept) else decision
+            body, broken = self._read_body(response, decision.body_bytes)
+        return self._answer(request, decision, body, broken, hops)
 
-        return self._retrying(where, attempt)
+    def _answer(self, request: _Request, decision: Accept, body: bytes, broken: str,
+                hops: list[requests.Response]) -> _Answer | Retry:
+        """The answer in a body read whole (``broken`` says how the connection broke, if so)."""
+        expected, where = decision.body_bytes, request.where
+        if broken or (expected is not None and len(body) < expected):
+            of = "" if expected is None else f" of {expected}"
+            return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
+        if expected is not None and len(body) > expected:
+            raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
+        if request.relpath is not None:
+            if decision.file_size is not None:
+                self._sizes.setdefault(request.relpath, decision.file_size)
+            self._check_identity(request.relpath, _identity_of(hops), where)
+        if decision.answer_bytes is not None:
+            body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
+        return _Answer(body, hops)
 
     def _retrying(self, where: str, attempt: Callable[[], _T | Retry]) -> _T:
         """Run ``attempt`` until it returns no :class:`Retry` (a failed connection is one); an
@@ -380,6 +430,10 @@ class HTTPSource(Source):
 
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
         """Raise the server's own explanation of a refused request (:class:`HubSource`'s)."""
+
+    def _absent(self, status: int, headers: Mapping[str, str]) -> bool:
+        """Whether an answer says the file does not exist (SPEC §8.2)."""
+        return status in ABSENT_STATUSES
 
     # --- transport ----------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import calendar
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import re
 import threading
@@ -31,10 +30,11 @@ from urllib.parse import parse_qsl, quote, unquote, urljoin, urlsplit
 import requests
 
 from refstream import errors
-from refstream.errors import FetchError, MalformedDataset, UsageError
+from refstream.errors import FetchError, MalformedDataset, UsageError, is_int
 from refstream.http import HTTPSource, parse_decimal
-from refstream.meta import check_relpath
+from refstream.meta import parse_json
 from refstream.sidecar import default_cache_root, install
+from refstream.source import check_relpath
 
 __all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root", "target_expiry",
            "resolve_again"]
@@ -137,11 +137,8 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
     api_url = hf.revision_api_url(endpoint)
     if api_url is not None:
         with contextlib.closing(HubSource(hf, endpoint, hf.revision, **options)) as api:
-            body = api.get_url(api_url)[0]
-        try:
-            commit = json.loads(body)["sha"]
-        except (ValueError, KeyError, TypeError):
-            commit = None
+            answer = parse_json(api.get_url(api_url)[0], api_url, error=FetchError)
+        commit = answer.get("sha") if isinstance(answer, dict) else None
         if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
             raise FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
     options["label"] = pinned_root(root, f"commit:{commit}")
@@ -236,6 +233,11 @@ class HubSource(HTTPSource):
     def _shared_path(self, url: str):
         return self._shared / hashlib.sha256(url.encode()).hexdigest()[:32]
 
+    def _absent(self, status: int, headers: Mapping[str, str]) -> bool:
+        """A missing file, not a missing repository or revision (SPEC §8.4, *Refusals*)."""
+        code = headers.get("X-Error-Code", "EntryNotFound")
+        return super()._absent(status, headers) and code == "EntryNotFound"
+
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
         """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN's answers carry
         neither ``X-Error-Code`` nor ``X-Error-Message``."""
@@ -261,15 +263,17 @@ class HubSource(HTTPSource):
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
         """The files of one page of a tree listing, by relpath."""
-        try:
-            files = {}
-            for entry in json.loads(body):
-                if entry["type"] == "file" and entry["path"].startswith(self._prefix):
-                    lfs = entry.get("lfs")
-                    identity = f"sha256:{lfs['oid']}" if lfs else f"git-sha1:{entry['oid']}"
-                    files[entry["path"].removeprefix(self._prefix)] = (int(entry["size"]),
-                                                                       identity)
-            return files
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise FetchError(f"{url}: not a tree listing ({type(exc).__name__}: {exc})") from exc
-
+        entries, files = parse_json(body, url, error=FetchError), {}
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if not (isinstance(entries, list) and isinstance(entry, dict)
+                    and isinstance(entry.get("path"), str)):
+                raise FetchError(f"{url}: not a tree listing (entry {entry!r})")
+            if entry.get("type") != "file" or not entry["path"].startswith(self._prefix):
+                continue
+            lfs = entry.get("lfs") or entry  # an LFS file's oid is its content's sha256
+            oid = lfs.get("oid") if isinstance(lfs, dict) else None
+            if not isinstance(oid, str) or not is_int(entry.get("size"), 0):
+                raise FetchError(f"{url}: not a tree listing (file {entry!r})")
+            kind = "git-sha1" if lfs is entry else "sha256"
+            files[entry["path"].removeprefix(self._prefix)] = (entry["size"], f"{kind}:{oid}")
+        return files

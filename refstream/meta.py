@@ -2,20 +2,14 @@
 
 Use::
 
-    meta = load_meta(source)                      # a Source: read_bytes(relpath) -> bytes
+    meta = load_meta(source)          # info, episodes, tasks, stats: checked (SPEC §4.1–4.4, §4.7)
     ids = select_episodes(meta, [3, 7])           # None selects every episode
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
+    meta.episode_rows(source, ids)                # those episodes' whole rows
+    column_array(read_parquet(source, relpath)[name], relpath, name)   # any Parquet column
 
-:func:`load_meta` reads ``meta/info.json``, the episodes files (only the columns refstream uses),
-``meta/tasks.parquet`` and ``meta/stats.json`` (:mod:`refstream.stats` parses it), and checks them
-all before it returns (SPEC §4.1–4.4, §4.7); ``meta.episode_rows`` reads episodes' whole rows.
-:func:`read_parquet` reads a whole metadata Parquet file; every reader of Parquet in refstream turns
-a column into numpy with :func:`column_array` (:func:`index_column` for integer and seconds
-columns); :func:`next_file` is LeRobot's (chunk, file) rollover step.
-
-Invariants of a :class:`DatasetMeta`: per-episode arrays in episode order, ``int64`` counts and
-indices, ``float64`` seconds; an episode's frames are ``to_index − from_index``; every path the
-templates give for this dataset was checked safe at load time (:func:`check_relpath`).
+A :class:`DatasetMeta` holds per-episode arrays in episode order (``int64`` counts and indices,
+``float64`` seconds); every path its templates give was checked safe at load time.
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -36,17 +29,20 @@ from refstream.errors import (
     DatasetError,
     EpisodeSelectionError,
     MalformedDataset,
+    RefstreamError,
     TableError,
     UnsafePath,
     UnsupportedDataset,
     UsageError,
     check_int,
+    is_int,
 )
 from refstream.shard import episode_ids
+from refstream.source import Source, check_relpath
 from refstream.stats import STATS_PATH, parse_stats
 
-__all__ = ["Source", "DatasetMeta", "load_meta", "select_episodes", "check_relpath",
-           "read_parquet", "column_array", "index_column", "next_file", "parse_json"]
+__all__ = ["DatasetMeta", "load_meta", "select_episodes", "read_parquet", "column_array",
+           "index_column", "next_file", "parse_json"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -82,24 +78,6 @@ INDEX_FIELDS = frozenset({"chunk_index", "file_index"})
 VIDEO_FIELDS = INDEX_FIELDS | {"video_key"}
 # The one format spec a placeholder may carry (SPEC §4.2): zero-padding an index to a width.
 _ZERO_PADDED = re.compile(r"0[1-9][0-9]*d")
-
-
-class Source(Protocol):
-    """Whole-file access to one dataset by root-relative POSIX path."""
-
-    def read_bytes(self, relpath: str) -> bytes:
-        """The file's bytes; a missing file raises :class:`MalformedDataset` naming it."""
-
-
-def check_relpath(relpath: str) -> str:
-    """``relpath`` if the lexical rule of SPEC §4.1 finds it safe, else UnsafePath."""
-    if not isinstance(relpath, str) or not relpath:
-        raise UnsafePath(f"path {relpath!r} is empty or not a string")
-    if any(ch in relpath for ch in "\\:\x00"):
-        raise UnsafePath(f"path {relpath!r} contains '\\', ':' or NUL")
-    if any(part in ("", ".", "..") for part in relpath.split("/")):
-        raise UnsafePath(f"path {relpath!r} is absolute or has an empty, '.' or '..' component")
-    return relpath
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,38 +162,30 @@ class DatasetMeta:
 def load_meta(source: Source) -> DatasetMeta:
     """The validated metadata of the dataset ``source`` reads (SPEC §4.2–4.4)."""
     info, cameras = _read_info(source)
-    features = info["features"]
     columns, episodes_files = _read_episodes(source, info, cameras)
-    per_camera = {
-        field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
-        for name, field in VIDEO_COLUMNS.items()
-    }
     tasks = _read_tasks(source, info)
     meta = DatasetMeta(
-        fps=info["fps"],
-        features=features,
-        camera_keys=cameras,
-        parquet_keys=[key for key in features if key not in cameras],
-        total_frames=info["total_frames"],
-        total_episodes=info["total_episodes"],
-        tasks=tasks,
-        data_path=info["data_path"],
-        video_path=info["video_path"],
-        episodes_files=episodes_files,
-        stats=_read_stats(source),
-        info=SimpleNamespace(**info),
-        episodes=columns,
-        robot_type=info.get("robot_type"),
-        video_keys=cameras,
-        image_keys=[],
-        depth_keys=[key for key, feature in features.items() if _is_depth(feature)],
-        total_tasks=len(tasks),
-        has_language_columns=any(key in features for key in LANGUAGE_COLUMNS),
+        fps=info["fps"], features=info["features"], camera_keys=cameras,
+        parquet_keys=[key for key in info["features"] if key not in cameras],
+        total_frames=info["total_frames"], total_episodes=info["total_episodes"], tasks=tasks,
+        data_path=info["data_path"], video_path=info["video_path"],
+        episodes_files=episodes_files, stats=_read_stats(source),
         **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
-        **per_camera)
+        **{field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
+           for name, field in VIDEO_COLUMNS.items()},
+        **_lerobot_view(info, columns, cameras, tasks))
     _check_episodes(meta)
     _check_paths(meta)
     return meta
+
+
+def _lerobot_view(info: dict, columns: dict, cameras: list[str], tasks: list[str]) -> dict:
+    """The fields of :class:`DatasetMeta` that LeRobot's trainer reads, under its names."""
+    features = info["features"]
+    return dict(info=SimpleNamespace(**info), episodes=columns, robot_type=info.get("robot_type"),
+                video_keys=cameras, image_keys=[], total_tasks=len(tasks),
+                depth_keys=[key for key, feature in features.items() if _is_depth(feature)],
+                has_language_columns=any(key in features for key in LANGUAGE_COLUMNS))
 
 
 def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[int]:
@@ -426,42 +396,39 @@ def index_column(table: pa.Table, name: str, where: str) -> np.ndarray:
 
 def _check_episodes(meta: DatasetMeta) -> None:
     """MalformedDataset unless the episodes table is consistent (SPEC §4.3 checks 1–5)."""
-    ids = meta.episode_index
-    if len(ids) and ids[0] < 0:
-        raise MalformedDataset(f"meta/episodes: negative episode_index {int(ids[0])}")
-    not_increasing = np.flatnonzero(np.diff(ids) <= 0)
-    if len(not_increasing):
-        i = int(not_increasing[0])
-        raise MalformedDataset("meta/episodes: episode_index not strictly increasing: "
-                               f"{int(ids[i])} then {int(ids[i + 1])} (ids must be unique "
-                               "and sorted)")
-    frames = meta.to_index - meta.from_index
-    bad = np.flatnonzero((frames != meta.length) | (meta.from_index < 0) | (frames < 0))
-    if len(bad):
-        i = int(bad[0])
-        raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: dataset_to_index - "
+    ids, frames, where = meta.episode_index, meta.to_index - meta.from_index, "meta/episodes"
+    if (i := _first(ids[:1] < 0)) is not None:
+        raise MalformedDataset(f"{where}: negative episode_index {int(ids[i])}")
+    if (i := _first(np.diff(ids) <= 0)) is not None:
+        raise MalformedDataset(f"{where}: episode_index not strictly increasing: {int(ids[i])} "
+                               f"then {int(ids[i + 1])} (ids must be unique and sorted)")
+    if (i := _first((frames != meta.length) | (meta.from_index < 0) | (frames < 0))) is not None:
+        raise MalformedDataset(f"{where}: episode {int(ids[i])}: dataset_to_index - "
                                f"dataset_from_index = {int(meta.to_index[i])} - "
                                f"{int(meta.from_index[i])} = {int(frames[i])}, but length is "
                                f"{int(meta.length[i])}")
     if int(frames.sum()) != meta.total_frames:
-        raise MalformedDataset(f"meta/episodes: episodes hold {int(frames.sum())} frames, but "
+        raise MalformedDataset(f"{where}: episodes hold {int(frames.sum())} frames, but "
                                f"{INFO_PATH} total_frames is {meta.total_frames}")
     for key in meta.camera_keys:
         start, end = meta.video_from_s[key], meta.video_to_s[key]
         # 0 <= start <= end leaves start finite unless end is infinite.
-        bad = np.flatnonzero(~((start >= 0) & (end >= start) & np.isfinite(end)))
-        if len(bad):
-            i = int(bad[0])
-            raise MalformedDataset(f"meta/episodes: episode {int(ids[i])}: videos/{key} "
-                                   f"from_timestamp {float(start[i])!r} / to_timestamp "
-                                   f"{float(end[i])!r} is not 0 <= from <= to")
+        if (i := _first(~((start >= 0) & (end >= start) & np.isfinite(end)))) is not None:
+            raise MalformedDataset(f"{where}: episode {int(ids[i])}: videos/{key} from_timestamp "
+                                   f"{float(start[i])!r} / to_timestamp {float(end[i])!r} is not "
+                                   "0 <= from <= to")
     indices = [("data", meta.data_chunk, meta.data_file)]
     indices += [(f"videos/{k}", meta.video_chunk[k], meta.video_file[k]) for k in meta.camera_keys]
     for name, chunks, files in indices:
-        bad = np.flatnonzero((chunks < 0) | (files < 0))
-        if len(bad):
-            raise MalformedDataset(f"meta/episodes: episode {int(ids[bad[0]])}: negative "
-                                   f"{name} chunk/file index")
+        if (i := _first((chunks < 0) | (files < 0))) is not None:
+            raise MalformedDataset(f"{where}: episode {int(ids[i])}: negative {name} chunk/file "
+                                   "index")
+
+
+def _first(bad: np.ndarray) -> int | None:
+    """The first row where ``bad`` is true, None when none is."""
+    rows = np.flatnonzero(bad)
+    return int(rows[0]) if len(rows) else None
 
 
 def _check_paths(meta: DatasetMeta) -> None:
@@ -480,20 +447,20 @@ def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, in
 
 def _read_stats(source: Source) -> dict | None:
     """``meta/stats.json`` as arrays (SPEC §4.7), None when the dataset has none."""
-    try:
-        data = source.read_bytes(STATS_PATH)
-    except MalformedDataset:  # what every source raises for a missing file
+    data = source.read_if_present(STATS_PATH)
+    if data is None:
         return None
     return parse_stats(parse_json(data, STATS_PATH, allow_nan=True))  # as LeRobot writes it
 
 
-def parse_json(data: bytes, relpath: str, allow_nan: bool = False) -> object:
+def parse_json(data: bytes, relpath: str, allow_nan: bool = False,
+               error: type[RefstreamError] = MalformedDataset) -> object:
     """The JSON value of metadata file ``relpath``: UTF-8 without a byte-order mark, ``NaN`` and
-    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); MalformedDataset when it is not."""
+    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); ``error`` when it is not."""
     try:
         return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _not_json)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedDataset(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise error(f"{relpath}: not valid JSON ({exc}); it must be UTF-8 JSON "
                                "(RFC 8259) without a byte-order mark") from exc
 
 
@@ -510,8 +477,7 @@ def _read_tasks(source: Source, info: dict) -> list[str]:
         raise MalformedDataset(f"{TASKS_PATH}: task_index values {sorted(index.tolist())} are "
                                f"not 0..{len(index) - 1}")
     total = info.get("total_tasks")
-    integer = isinstance(total, int) and not isinstance(total, bool)
-    if total is not None and not (integer and total == len(index)):
+    if total is not None and not (is_int(total) and total == len(index)):
         raise MalformedDataset(f"{TASKS_PATH}: {len(index)} tasks, but {INFO_PATH} total_tasks "
                                f"is {total!r} (it must be the integer {len(index)} or absent)")
     rows = sorted(zip(index.tolist(), table["task"].to_pylist(), strict=True))

@@ -7,11 +7,12 @@ Use::
 
 :func:`parse_index` is :func:`locate_moov` (SPEC §6.2) then :func:`parse_moov` (§6.3–6.5).
 :func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
-file's boxes. Words: an *offset* is a byte position (``end``: the file offset where a box or its
-parent ends; ``limit``: a position in the bytes at hand); *composition* is ``pts − dts``, in ticks.
-``pts`` and ``dts`` equal FFmpeg's; a file it would re-time is refused rather than indexed
-differently. An entry count is checked against its box before anything is allocated. Errors name
-the file, box and offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
+file's boxes; :func:`decoder_setup` says which files' decoders are set up alike. Words: an
+*offset* is a byte position (``end``: the file offset where a box or its parent ends; ``limit``:
+a position in the bytes at hand); *composition* is ``pts − dts``, in ticks. ``pts`` and ``dts``
+equal FFmpeg's; a file it would re-time is refused rather than indexed differently. An entry
+count is checked against its box before anything is allocated. Errors name the file, box and
+offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
 :class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
 :class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
 """
@@ -28,7 +29,7 @@ import numpy as np
 from refstream.errors import MalformedMp4, Mp4Error, ShortRead, UnsupportedMp4
 
 __all__ = ["Box", "SampleIndex", "EditList", "parse_index", "locate_moov", "parse_moov",
-           "walk_boxes", "read_box", "video_edit_list"]
+           "walk_boxes", "read_box", "video_edit_list", "decoder_setup"]
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -142,6 +143,25 @@ def walk_boxes(data: bytes, start: int, limit: int, base: int, path: str) -> lis
         boxes.append(read_box(data, pos, limit, base, base + limit, path))
         pos += boxes[-1].size
     return boxes
+
+
+# FFmpeg sets a decoder up from the sample entry (codec, size, its configuration box such as
+# av1C/avcC/hvcC: the extradata; colr: the colour of frames whose bitstream does not say, which
+# the RGB conversion reads; pasp, fiel, ...) but for btrt, a bit rate it reports only, which
+# differs between the files of one camera.
+_ENTRY_BOXES_AT = 8 + 86  # stsd version, flags and entry count; a VisualSampleEntry's own fields
+
+
+def decoder_setup(stsd: bytes) -> bytes:
+    """``stsd`` (as :attr:`SampleIndex.stsd`) without its btrt box: files whose setups are equal
+    get decoders set up alike. A description not made of plain boxes is its own setup."""
+    entry_limit = 8 + int.from_bytes(stsd[8:12], "big")  # where the first sample entry ends
+    try:
+        boxes = walk_boxes(stsd, _ENTRY_BOXES_AT, entry_limit, 0, "sample description")
+    except MalformedMp4:
+        return stsd
+    kept = (stsd[box.offset:box.end] for box in boxes if box.type != "btrt")
+    return b"".join([stsd[:_ENTRY_BOXES_AT], *kept, stsd[entry_limit:]])
 
 
 def _read(read_range: ReadRange, offset: int, length: int, path: str) -> bytes:

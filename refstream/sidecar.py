@@ -1,17 +1,15 @@
 """The video index: every video file's :class:`refstream.mp4.SampleIndex`, kept on disk so that
-training starts without reading a ``moov`` again (SPEC §10), in one *record* per size and content
-(:func:`record_name`). Use::
+training starts without reading a ``moov`` again, one *record* per size and content (SPEC §10).
+Use::
 
     relpaths = video_relpaths(meta)              # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:func:`ensure_index` finds or builds every record as SPEC §10.5–10.7 say. :class:`MappedIndex`
-gives read-only ``SampleIndex`` objects whose arrays are views of the shared, mapped records in
-their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must not wrap).
-The ``refstream.sidecar`` logger says at INFO where the index came from. A build reports each
-file indexed to ``ensure_index``'s ``progress(done, total)``; without one, it logs ``done/total`` at
-INFO every :data:`PROGRESS_EVERY_S` (the library draws nothing: ``refstream index`` does).
+:class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are views of the mapped
+records in their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must
+not wrap). The ``refstream.sidecar`` logger says at INFO where the index came from, and a
+build's progress when ``ensure_index`` is given no ``progress(done, total)``.
 """
 
 from __future__ import annotations
@@ -40,14 +38,13 @@ from typing import BinaryIO
 import numpy as np
 
 from refstream.errors import (
-    MalformedDataset,
     RefstreamError,
     SidecarError,
     SidecarInvalid,
     SidecarLockTimeout,
     UsageError,
 )
-from refstream.meta import DatasetMeta
+from refstream.meta import DatasetMeta, parse_json
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
@@ -75,11 +72,11 @@ FLAG_DTYPE = np.dtype("|b1")
 NPY_1_0 = b"\x93NUMPY\x01\x00"
 # Files of one process: .tmp.<pid>.<hex>.<final name> and .volatile.<pid>.<hex>.<k>.npy.
 OWNED = re.compile(r"^\.(?:tmp|volatile)\.(\d+)\.")
-# What numpy and zipfile raise on bytes that are not what they should be (RuntimeError: an
-# encrypted ZIP member, or JSON nested too deep).
-UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError,
-              SyntaxError, RuntimeError, tokenize.TokenError, zipfile.BadZipFile,
-              NotImplementedError, struct.error, zlib.error)
+# What numpy raises on a corrupt NPY file: the header is a Python literal it tokenizes.
+CORRUPT_NPY = (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError)
+# What zipfile raises on a corrupt archive (RuntimeError: an encrypted member).
+CORRUPT_ZIP = (OSError, ValueError, EOFError, RuntimeError, NotImplementedError,
+               zipfile.BadZipFile, struct.error, zlib.error)
 
 @dataclass(frozen=True)
 class Record:
@@ -179,51 +176,65 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
                 raise ValueError("the record does not match its digest")
             if np.any(index.dts[1:] < index.dts[:-1]):
                 raise ValueError("dts decreases")  # spans are found by searching dts
-    except FileNotFoundError:
-        raise
-    except UNREADABLE as exc:
+    except CORRUPT_NPY as exc:
         raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
                              f"({type(exc).__name__}: {exc})") from exc
     return index
 
 
-def _parse_record(array, size: int, identity: str, relpath: str) -> SampleIndex:
+def _parse_record(array: np.ndarray, size: int, identity: str, relpath: str) -> SampleIndex:
     """The index in a loaded record; ValueError unless valid for ``size`` and ``identity``."""
     names = array.dtype.names or ()
     if array.shape != (1,) or names[:2] != ("sha256", "meta") \
             or array.dtype["sha256"] != np.dtype(("u1", (32,))) \
             or array.dtype["meta"].base != np.uint8 or len(array.dtype["meta"].shape) != 1:
         raise ValueError(f"array {array.dtype}{array.shape} is not a record")
-    meta = json.loads(array["meta"][0].tobytes())
+    meta = _record_meta(array["meta"][0].tobytes(), size, identity)
+    arrays = _stored_arrays(array, meta["samples"], names[2:], meta["constants"])
+    for name, value in meta["constants"].items():
+        kind = bool if name == "keyframe" else int
+        if type(value) is not kind or not -(2**63) <= value < 2**63:
+            raise ValueError(f"constant {name} {value!r}")
+        arrays[name] = np.broadcast_to(np.array(value, np.int64 if kind is int else bool),
+                                       (meta["samples"],))
+    return SampleIndex(path=relpath, file_size=size, ftyp=bytes.fromhex(meta["ftyp"]),
+                       stsd=bytes.fromhex(meta["stsd"]),
+                       **{name: meta[name] for name in SCALAR_FIELDS}, **arrays)
+
+
+def _record_meta(text: bytes, size: int, identity: str) -> dict:
+    """A record's JSON meta, checked to describe ``size`` and ``identity`` (SPEC §10.2)."""
+    meta = parse_json(text, "its meta", error=SidecarInvalid)
     expected = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "identity": identity,
                 "size": size}
-    if {key: meta.get(key) for key in expected} != expected:
-        raise ValueError(f"describes {[meta.get(key) for key in expected]}, not {expected}")
-    count, constants = meta["samples"], meta["constants"]
-    integers = [count, *(meta[name] for name in SCALAR_FIELDS[1:])]
-    if not (all(type(v) is int for v in integers) and count >= 0
-            and meta["timescale"] > 0 and isinstance(meta["codec"], str)
-            and isinstance(constants, dict)):
+    if not isinstance(meta, dict) or {key: meta.get(key) for key in expected} != expected:
+        got = [meta.get(key) for key in expected] if isinstance(meta, dict) else meta
+        raise ValueError(f"describes {got}, not {expected}")
+    integers = [meta.get(name) for name in ("samples", *SCALAR_FIELDS[1:])]
+    if not (all(type(v) is int for v in integers) and meta["samples"] >= 0
+            and meta["timescale"] > 0 and isinstance(meta.get("codec"), str)
+            and all(isinstance(meta.get(name), str) for name in ("ftyp", "stsd"))
+            and isinstance(meta.get("constants"), dict)):
         raise ValueError("bad meta fields")
-    if list(names[2:]) != [name for name in ARRAY_FIELDS if name not in constants] \
+    return meta
+
+
+def _stored_arrays(array: np.ndarray, count: int, names: tuple[str, ...],
+                   constants: dict) -> dict[str, np.ndarray]:
+    """The record's stored arrays, read-only views, each of ``count`` samples in a storage
+    dtype; the fields not stored are exactly ``constants`` (SPEC §10.2)."""
+    if list(names) != [name for name in ARRAY_FIELDS if name not in constants] \
             or not set(constants) <= set(ARRAY_FIELDS):
-        raise ValueError(f"stored arrays {names[2:]} and constants {sorted(constants)}")
+        raise ValueError(f"stored arrays {names} and constants {sorted(constants)}")
     arrays = {}
-    for name in names[2:]:
+    for name in names:
         field = array.dtype[name]
         allowed = (FLAG_DTYPE,) if name == "keyframe" else NARROW_DTYPES
         if field.shape != (count,) or field.base not in allowed:
             raise ValueError(f"{name} is {field}, expected one of {allowed} x ({count},)")
         arrays[name] = array[name][0]
         arrays[name].flags.writeable = False
-    for name, value in constants.items():
-        kind = bool if name == "keyframe" else int
-        if type(value) is not kind or not -(2**63) <= value < 2**63:
-            raise ValueError(f"constant {name} {value!r}")
-        arrays[name] = np.broadcast_to(np.array(value, np.int64 if kind is int else bool), (count,))
-    return SampleIndex(path=relpath, file_size=size, ftyp=bytes.fromhex(meta["ftyp"]),
-                       stsd=bytes.fromhex(meta["stsd"]),
-                       **{name: meta[name] for name in SCALAR_FIELDS}, **arrays)
+    return arrays
 
 
 # --- finding, building and installing ----------------------------------------------------------
@@ -296,10 +307,11 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
     """The ``records`` whose file is absent or not valid."""
     missing = {}
     for relpath, record in records.items():
+        if not os.path.exists(record.path):
+            missing[relpath] = record
+            continue
         try:
             read_record(record.path, record.size, record.identity, relpath)
-        except FileNotFoundError:
-            missing[relpath] = record
         except SidecarInvalid as exc:
             log.info("%s: indexing again", exc)
             missing[relpath] = record
@@ -315,9 +327,8 @@ def _install_record(relpath: str, record: Record, write: Callable[[BinaryIO], ob
 def _take_published(source: Source, wanted: dict[str, Record]) -> int:
     """Install the ``wanted`` records that the dataset's published index holds; how many."""
     taken = 0
-    try:
-        size = source.size(PUBLISHED_RELPATH)
-    except MalformedDataset:
+    size = source.size_if_present(PUBLISHED_RELPATH)
+    if size is None:
         return 0  # the dataset publishes no index
     try:
         reader = io.BufferedReader(RangeFile(source, PUBLISHED_RELPATH, size),
@@ -334,7 +345,7 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
                     taken += 1
                 except SidecarInvalid as exc:  # this record alone is indexed
                     log.info("%s: %s", PUBLISHED_RELPATH, exc)
-    except (RefstreamError, *UNREADABLE) as exc:
+    except (RefstreamError, *CORRUPT_ZIP) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
     log.info("%s held records for %d of the %d files without one (records of other contents "
              "or of another source's identities are not used)", PUBLISHED_RELPATH, taken,

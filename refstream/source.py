@@ -2,11 +2,12 @@
 
 Usage::
 
-    source = open_source(root)        # a folder, file://, http(s):// or hf:// root
+    source = open_source(root)        # refstream.roots: a folder, file://, http(s)://, hf://
     source.read_bytes(relpath)        # a whole file (metadata)
     source.read_range(relpath, offset, length)   # exactly `length` bytes, or an error
     source.read_tail(relpath, length)            # (the last min(length, size) bytes, size)
     source.size(relpath), source.identity(relpath)
+    source.size_if_present(relpath), source.read_if_present(relpath)   # None: no such file
     source.content_identities(relpaths)          # relpath -> (size, content identity), SPEC §10.1
     source.expect_identity(relpath, identity)    # a later read of another version: PayloadChanged
     pq.ParquetFile(RangeFile(source, relpath, size, tail))   # pyarrow reads through the source
@@ -20,49 +21,28 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
-from refstream.errors import FetchError, MalformedDataset, PayloadChanged, ShortRead, UsageError
-from refstream.meta import check_relpath
+from refstream.errors import (
+    FetchError,
+    MalformedDataset,
+    PayloadChanged,
+    ShortRead,
+    UnsafePath,
+    UsageError,
+)
 
-__all__ = ["Source", "LocalSource", "RangeFile", "open_source"]
+__all__ = ["Source", "LocalSource", "RangeFile", "check_relpath"]
 
 IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each over HTTP
-# A Hub repository id as people type it: OWNER/NAME of letters, digits, '-', '_' and '.'.
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-def open_source(root: str | Path, **http_options) -> Source:
-    """The source for a dataset root: a folder (``~`` expanded), ``file://``, ``http(s)://``
-    or ``hf://``; ``http_options`` (timeouts, ``retry``, …) are
-    :class:`refstream.http.HTTPSource` arguments, which a local root ignores."""
-    from refstream import http, hub  # they build on this module
-
-    text = str(root)
-    if text.startswith("hf://"):
-        return hub.open_hf_source(text, **http_options)
-    if text.startswith(("http://", "https://")):
-        return http.HTTPSource(text, **http_options)
-    if text.startswith("file://"):
-        text = unquote(urlsplit(text).path)
-    elif "://" in text:
-        raise UsageError(f"{text!r}: unsupported root (folder, file://, http(s)://, hf://)")
-    folder = os.path.expanduser(text)
-    if not os.path.isdir(folder):
-        where = f" ({folder})" if folder != text else ""
-        hub = (f"; a dataset on the Hugging Face Hub is written hf://datasets/{text}"
-               if _REPO_ID.fullmatch(text) else "")
-        raise UsageError(f"{text!r}: no such folder{where}{hub}")
-    return LocalSource(folder)
 
 
 class Source:
     """The base of every source: the identity check of every read (SPEC §8.1).
-    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``identity`` and ``close``."""
+    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``size_if_present`` (None for an
+    absent file), ``identity`` and ``close``."""
 
     def __init__(self) -> None:
         # relpath -> identity; threads share it, and one dict operation is atomic: no lock
@@ -86,12 +66,27 @@ class Source:
         if expected is not None and actual != expected:
             raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
 
+    def read_if_present(self, relpath: str) -> bytes | None:
+        """The whole file, None when the root has no such file (an optional file)."""
+        return None if self.size_if_present(relpath) is None else self.read_bytes(relpath)
+
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         """The file's size, then a range of its last bytes."""
         check_tail(relpath, length)
         size = self.size(relpath)
         count = min(length, size)
         return self.read_range(relpath, size - count, count), size
+
+
+def check_relpath(relpath: str) -> str:
+    """``relpath`` if the lexical rule of SPEC §4.1 finds it safe, else UnsafePath."""
+    if not isinstance(relpath, str) or not relpath:
+        raise UnsafePath(f"path {relpath!r} is empty or not a string")
+    if any(ch in relpath for ch in "\\:\x00"):
+        raise UnsafePath(f"path {relpath!r} contains '\\', ':' or NUL")
+    if any(part in ("", ".", "..") for part in relpath.split("/")):
+        raise UnsafePath(f"path {relpath!r} is absolute or has an empty, '.' or '..' component")
+    return relpath
 
 
 def check_span(where: str, offset: int, length: int) -> None:
@@ -127,6 +122,9 @@ class LocalSource(Source):
 
     def size(self, relpath: str) -> int:
         return self._stat(relpath).st_size
+
+    def size_if_present(self, relpath: str) -> int | None:
+        return self.size(relpath) if (self.root / check_relpath(relpath)).is_file() else None
 
     def identity(self, relpath: str) -> str:
         return _local_identity(self._stat(relpath))

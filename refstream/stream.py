@@ -41,8 +41,8 @@ from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.planner import STRATEGIES, Planner
 from refstream.rng import MASK64, resolve_seed
+from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
-from refstream.source import open_source
 from refstream.stats import selection_stats
 from refstream.synth import check_frame_rate
 from refstream.windows import check_tolerance, make_windows

@@ -1,20 +1,21 @@
-"""Which samples an episode needs, the one byte span that holds them, and the mini-MP4 that
-makes those bytes decodable (SPEC §7), without I/O, on a :class:`refstream.mp4.SampleIndex`.
-Calls, in the order a loader makes them::
+"""Which samples an episode needs, the one byte span that holds them, the frame serving each
+request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), without I/O, on a
+:class:`refstream.mp4.SampleIndex`. Calls, in the order a loader makes them::
 
     spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
     size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
+    pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
-:func:`serving_samples` is the one rule deciding whether a frame serves a requested time (SPEC
-§7.1): span selection, the decoder's choice of frame (§10.8) and the doctor all call it.
-:func:`episode_spans` applies :func:`select_span` to each camera at the episode's request times
-(:func:`request_times_s`, SPEC §9.1), or at the nominal ones before its rows are read (§9.2),
-which assume a file's frames are ``1 / fps`` apart: :func:`check_frame_rate`, the one rule the
-stream (on every file, when it opens the dataset) and the doctor call.
+One function per rule, called by spans, the worker and the doctor alike: :func:`serving_samples`,
+whether a frame serves a requested time (SPEC §7.1); :func:`served`, the refusal of a time that
+nothing serves; :func:`select_frames`, the choice among the frames that serve it (§10.8);
+:func:`check_frame_rate`, whether a file's frames are the ``1 / fps`` apart that the nominal
+request times (:func:`episode_spans` without timestamps) assume (§9.2).
 
-It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads ``fps``,
-``camera_keys``, ``row``, ``frames``, ``video_relpath``, ``video_from_s`` and ``video_to_s``.
+It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads
+``fps``, ``camera_keys``, ``row``, ``frames``, ``data_relpath``, ``video_relpath``,
+``video_from_s`` and ``video_to_s``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refstream.errors import FrameNotFound, MalformedDataset, UsageError
+from refstream.errors import FrameNotFound, MalformedDataset, TableError, UsageError
 from refstream.mp4 import SampleIndex
+from refstream.windows import check_tolerance
 
-__all__ = ["Matches", "serving_samples", "check_frame_rate", "Span", "select_span", "span_of",
-           "request_times_s", "episode_spans", "synthesized_size", "synthesize_header",
-           "synthesize", "DEFAULT_FTYP"]
+__all__ = ["Matches", "serving_samples", "served", "select_frames", "check_frame_rate", "Span",
+           "select_span", "span_of", "episode_spans", "serving_pts",
+           "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
 # Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
@@ -82,6 +84,29 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
     return Matches(request[served], sample[served].astype(np.int64), distance_s[served])
 
 
+def served(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray, tolerance_s: float,
+           label: str) -> Matches:
+    """:func:`serving_samples` when every time is served; else the one ``FrameNotFound`` of an
+    unserved request, naming ``label`` and the first such time."""
+    matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
+    unserved = matches.unserved(len(times_s))
+    if len(unserved):
+        raise FrameNotFound(f"{label}: {len(unserved)} of {len(times_s)} request times have no "
+                            f"frame within {tolerance_s} s (first {times_s[unserved[0]]:.6f} s)")
+    return matches
+
+
+def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
+                  tolerance_s: float, label: str = "video") -> np.ndarray:
+    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each of ``times_s``: of
+    the samples that serve it, the nearest, then the earliest (SPEC §10.8)."""
+    pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
+    matches = served(pts_ticks, timescale, times_s, tolerance_s, label)
+    order = np.lexsort((pts_ticks[matches.sample], matches.distance_s, matches.request))
+    best = order[np.flatnonzero(np.diff(matches.request[order], prepend=-1))]
+    return matches.sample[best]
+
+
 def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath: str) -> float:
     """The median spacing (ticks) of the presentation times of the first
     :data:`FRAME_RATE_SAMPLES` samples of file ``relpath``; ``MalformedDataset`` unless it is
@@ -93,9 +118,9 @@ def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath:
     rate = timescale / spacing if spacing > 0 else math.inf
     raise MalformedDataset(
         f"{relpath}: the video's frame times disagree with meta/info.json's fps {fps:g}: its "
-        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps "
-        f"{fps:g} means {1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, "
-        f"or re-encode the videos at {fps:g} fps")
+        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps {fps:g} means "
+        f"{1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, or re-encode "
+        f"the videos at {fps:g} fps")
 
 
 # --- spans -----------------------------------------------------------------------------------
@@ -119,9 +144,9 @@ class Span:
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
     """The minimal span serving every time the episode can request (SPEC §7.1)."""
-    if not (to_s >= from_s and tolerance_s >= 0):
-        raise UsageError(f"{index.path}: bad span request from_s={from_s} to_s={to_s}"
-                         f" tolerance_s={tolerance_s}")
+    tolerance_s = check_tolerance(tolerance_s)
+    if not to_s >= from_s:
+        raise UsageError(f"{index.path}: a span's to_s={to_s} s is before its from_s={from_s} s")
     times_s = None if request_times_s is None else np.asarray(request_times_s, np.float64)
     window = _window(index, [from_s, to_s] if times_s is None else times_s, tolerance_s)
     pts = index.pts[window].astype(np.int64)
@@ -129,19 +154,14 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
         pts_s = pts / index.timescale
         needed = np.flatnonzero((pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s))
     else:
-        matches = serving_samples(pts, index.timescale, times_s, tolerance_s)
-        unserved = matches.unserved(len(times_s))
-        if len(unserved):
-            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of requested"
-                                f" time {float(times_s[unserved[0]])} s")
-        needed = matches.sample
+        needed = served(pts, index.timescale, times_s, tolerance_s, index.path).sample
     if not len(needed):
         raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
                             f" [{from_s}, {to_s}) s")
     first_needed = window.start + int(needed.min())
     last_needed = window.start + int(needed.max())
     start = _keyframe_before(index, first_needed, int(pts[needed].min()))
-    if index.reordered:  # finish the GOP
+    if index.reordered:  # B-frames: the span runs to the end of the last needed GOP (§7.1)
         return span_of(index, start, _keyframe_from(index, last_needed + 1) - 1)
     return span_of(index, start, last_needed)
 
@@ -153,9 +173,9 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
     finite = finite[np.isfinite(finite)]
     if not len(finite):
         return slice(0, 0)
-    limit = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
-    low_ticks = max(-limit, min(limit, (float(finite.min()) - tolerance_s) * index.timescale))
-    high_ticks = max(-limit, min(limit, (float(finite.max()) + tolerance_s) * index.timescale))
+    clamp = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
+    low_ticks = max(-clamp, min(clamp, (float(finite.min()) - tolerance_s) * index.timescale))
+    high_ticks = max(-clamp, min(clamp, (float(finite.max()) + tolerance_s) * index.timescale))
     low, high = index.composition_range
     return slice(int(np.searchsorted(index.dts, math.floor(low_ticks) - 2 - high, "left")),
                  int(np.searchsorted(index.dts, math.ceil(high_ticks) + 2 - low, "right")))
@@ -163,21 +183,21 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
 
 def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
     """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
-    for end in range(sample + 1, 0, -SCAN_SAMPLES):
-        begin = max(0, end - SCAN_SAMPLES)
-        found = np.flatnonzero(index.keyframe[begin:end] & (index.pts[begin:end] <= pts))
+    for stop in range(sample + 1, 0, -SCAN_SAMPLES):
+        start = max(0, stop - SCAN_SAMPLES)
+        found = np.flatnonzero(index.keyframe[start:stop] & (index.pts[start:stop] <= pts))
         if len(found):
-            return begin + int(found[-1])
+            return start + int(found[-1])
     raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
                         f" or before pts {pts}")
 
 
 def _keyframe_from(index: SampleIndex, sample: int) -> int:
     """The first keyframe at or after ``sample``; the sample count when there is none."""
-    for begin in range(sample, len(index), SCAN_SAMPLES):
-        found = np.flatnonzero(index.keyframe[begin : begin + SCAN_SAMPLES])
+    for start in range(sample, len(index), SCAN_SAMPLES):
+        found = np.flatnonzero(index.keyframe[start : start + SCAN_SAMPLES])
         if len(found):
-            return begin + int(found[0])
+            return start + int(found[0])
     return len(index)
 
 
@@ -189,10 +209,14 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
 
 
-def request_times_s(meta, episode: int, camera: str, timestamps_s: np.ndarray) -> np.ndarray:
-    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``."""
-    from_s = float(meta.video_from_s[camera][meta.row(episode)])
-    return from_s + np.asarray(timestamps_s).astype(np.float64)
+def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_s: float,
+                 timestamps_s: np.ndarray) -> tuple[np.ndarray, Span]:
+    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``
+    (SPEC §9.1), and the span serving them."""
+    row = meta.row(episode)
+    from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
+    times_s = from_s + np.asarray(timestamps_s).astype(np.float64)
+    return times_s, select_span(index, from_s, to_s, tolerance_s, times_s)
 
 
 def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
@@ -203,14 +227,31 @@ def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
     ``indexes`` maps a video relpath to its index."""
     if timestamps_s is None:
         timestamps_s = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
-    row = meta.row(episode)
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:
         index = indexes[meta.video_relpath(episode, camera)]
-        from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
-        times_s = request_times_s(meta, episode, camera, timestamps_s)
-        spans[camera] = index, select_span(index, from_s, to_s, tolerance_s, times_s)
+        spans[camera] = index, _camera_span(meta, episode, camera, index, tolerance_s,
+                                            timestamps_s)[1]
     return spans
+
+
+def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Span]],
+                tolerance_s: float, timestamps_s: np.ndarray) -> dict[str, np.ndarray]:
+    """camera -> source pts (int64) of the frame serving each row of ``timestamps_s``, among the
+    samples of its ``planned`` span (SPEC §9.1, §10.8); ``TableError`` if they need others."""
+    chosen = {}
+    for camera, (index, span) in planned.items():
+        times_s, needed = _camera_span(meta, episode, camera, index, tolerance_s, timestamps_s)
+        if not span.covers(needed):
+            raise TableError(
+                f"{meta.data_relpath(episode)}: episode {episode}: its timestamps need samples "
+                f"{needed.sample_lo}..{needed.sample_hi} of {index.path}, outside samples "
+                f"{span.sample_lo}..{span.sample_hi} planned from timestamps frame_index / fps "
+                f"({camera})")
+        pts = index.pts[span.sample_lo : span.sample_hi + 1].astype(np.int64)
+        chosen[camera] = pts[select_frames(pts, index.timescale, times_s, tolerance_s,
+                                           f"episode {episode} camera {camera}")]
+    return chosen
 
 
 # --- the mini-MP4 ----------------------------------------------------------------------------

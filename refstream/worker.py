@@ -29,13 +29,13 @@ from torch.utils.data import default_collate
 
 from refstream import shard, sidecar, synth
 from refstream.budget import ByteBudget
-from refstream.decode import DecoderCache, select_frames
-from refstream.errors import FetchError, TableError
+from refstream.decode import DecoderCache
+from refstream.errors import FetchError
 from refstream.meta import DatasetMeta, column_array
 from refstream.mp4 import SampleIndex
 from refstream.planner import Planner
+from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, VideoIndex
-from refstream.source import open_source
 from refstream.tables import Footers, read_episode_rows
 from refstream.windows import window_rows
 
@@ -402,33 +402,22 @@ class WorkerStream:
             self.budget.mark_fetched(episode)
 
     def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
-        """Each camera's mini-MP4 and the frame serving each row; the rows' exact times must
-        need no sample outside the span the budget was sized from."""
-        exact = synth.episode_spans(self.meta, episode, self.index, self.config.tolerance_s,
-                                    timestamps)
+        """Each camera's mini-MP4 and the frame serving each row, from the planned spans."""
+        spans = self.spans[episode]
+        chosen = synth.serving_pts(self.meta, episode, spans, self.config.tolerance_s, timestamps)
         videos = {}
-        for camera, (sample_index, span) in self.spans[episode].items():
-            needed = exact[camera][1]
-            if not span.covers(needed):
-                raise TableError(
-                    f"{self.meta.data_relpath(episode)}: episode {episode}: its timestamps need "
-                    f"samples {needed.sample_lo}..{needed.sample_hi} of {sample_index.path}, "
-                    f"outside samples {span.sample_lo}..{span.sample_hi} planned from "
-                    f"timestamps frame_index / fps ({camera})")
+        for camera, (sample_index, span) in spans.items():
             payload = self.source.read_range(self.meta.video_relpath(episode, camera),
                                              span.byte_offset, span.byte_length)
             mp4 = synth.synthesize(sample_index, span, payload)
             self.budget.mark_resident(episode, len(mp4))
             samples = slice(span.sample_lo, span.sample_hi + 1)
-            pts = sample_index.pts[samples].astype(np.int64)
-            chosen = select_frames(pts, sample_index.timescale,
-                                   synth.request_times_s(self.meta, episode, camera, timestamps),
-                                   self.config.tolerance_s, f"episode {episode} camera {camera}")
+            keyframes = sample_index.pts[samples][sample_index.keyframe[samples]].astype(np.int64)
             anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
             requested = window_rows(self.windows.get(camera, [0]), anchors, len(anchors))[0]
-            served, counts = np.unique(pts[chosen][requested], return_counts=True)
-            videos[camera] = _Video(mp4, span.start_pts, pts[chosen], sample_index.stsd,
-                                    pts[sample_index.keyframe[samples]],
+            served, counts = np.unique(chosen[camera][requested], return_counts=True)
+            videos[camera] = _Video(mp4, span.start_pts, chosen[camera], sample_index.stsd,
+                                    keyframes,
                                     dict(zip(served.tolist(), counts.tolist(), strict=True)))
         return videos
 

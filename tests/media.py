@@ -156,3 +156,26 @@ def assert_same_index(actual: SampleIndex, expected: SampleIndex) -> None:
         got, want = getattr(actual, name), getattr(expected, name)
         assert got.dtype == want.dtype, (name, got.dtype)
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+class CountingCodec:
+    """A decoder's codec context that calls ``count(n)`` with the number of frames each packet
+    decodes to: set as an ``EpisodeDecoder``'s ``codec``, it counts what the decoder decodes."""
+
+    def __init__(self, codec, count) -> None:
+        self.codec, self.count = codec, count
+
+    def decode(self, packet):
+        frames = self.codec.decode(packet)
+        self.count(len(frames))
+        return frames
+
+    def flush_buffers(self) -> None:
+        self.codec.flush_buffers()
+
+
+def counted(decoder) -> list[int]:
+    """``decoder`` counting what it decodes: the sum of the list returned is that count."""
+    counts: list[int] = []
+    decoder.codec = CountingCodec(decoder.codec, counts.append)
+    return counts

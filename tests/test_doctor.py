@@ -28,7 +28,7 @@ from refstream import sidecar
 from refstream.errors import DecodeError, MalformedDataset, UsageError
 from refstream.meta import load_meta
 from refstream.mp4 import parse_index
-from refstream.source import open_source
+from refstream.roots import open_source
 from refstream.tools import adapters
 from refstream.tools.cli import export_index, main
 from refstream.tools.demo import serve_directory, write_demo_dataset

@@ -49,7 +49,7 @@ import refstream.stream
 import refstream.worker
 from refstream import errors
 from refstream.http import RetryPolicy
-from refstream.source import open_source
+from refstream.roots import open_source
 from refstream.stream import StreamingDataset
 from refstream.tools.demo import read_frame_label, write_demo_dataset
 

@@ -40,7 +40,8 @@ from refstream.http import (
     parse_retry_after,
 )
 from refstream.hub import open_hf_source
-from refstream.source import LocalSource, RangeFile, open_source
+from refstream.roots import open_source
+from refstream.source import LocalSource, RangeFile
 from refstream.tools.conformance import first_difference, in_process, load_cases
 
 FILE_BYTES = 300_000
@@ -636,3 +637,13 @@ def test_conformance_cases(case):
 
 def test_there_are_conformance_cases():
     assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("kind", ["local", "http"])
+def test_an_optional_file_is_none_when_absent_and_its_bytes_when_present(folder, server, kind):
+    source = LocalSource(folder) if kind == "local" else http(server.url)
+    assert source.read_if_present("small.bin") == (folder / "small.bin").read_bytes()
+    assert source.size_if_present("data/blob.bin") == FILE_BYTES
+    assert source.read_if_present("meta/stats.json") is None
+    with pytest.raises(MalformedDataset, match="stats.json"):
+        source.read_bytes("meta/stats.json")  # a file that must be there

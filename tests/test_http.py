@@ -14,7 +14,8 @@ from rangeserver import RangeServer
 
 from refstream.errors import HTTPStatusError, MalformedDataset, PayloadChanged, UsageError
 from refstream.http import HTTPSource, RetryPolicy
-from refstream.source import LocalSource, open_source
+from refstream.roots import open_source
+from refstream.source import LocalSource
 
 FILE_BYTES = 300_000
 TOKEN = "hf_refstreamSecretToken0123456789"

@@ -25,13 +25,14 @@ from rangeserver import HubConfig, RangeServer, second_loopback_host
 
 from refstream import hub as hub_module
 from refstream.errors import (
+    FetchError,
     HubAuthError,
     HubRepoNotFound,
     HubRevisionNotFound,
     MalformedDataset,
 )
 from refstream.http import HTTPSource, RetryPolicy
-from refstream.hub import TARGET_MARGIN_S, open_hf_source, target_expiry
+from refstream.hub import TARGET_MARGIN_S, HubSource, open_hf_source, parse_hf_root, target_expiry
 from refstream.stream import StreamingDataset
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -255,3 +256,27 @@ def test_the_token_follows_a_redirect_on_its_own_origin():
     assert source.read_bytes("file") == b"ok"
     assert network.sent == [("http://127.0.0.1:8000/root/file", True),
                             ("http://127.0.0.1:8000/other/file", True)]
+
+
+def test_an_absent_file_is_none_but_an_absent_repository_is_its_error(hub, cache):
+    hub_server, _ = hub
+    source = source_on(hub_server)
+    assert source.size_if_present("data/blob0.bin") == 50_000
+    assert source.read_if_present("meta/stats.json") is None  # EntryNotFound: no such file
+    other = HubSource(parse_hf_root("hf://datasets/owner/other"), hub_server.url, COMMIT,
+                      token=TOKEN, retry=FAST)
+    with pytest.raises(HubRepoNotFound, match="owner/other does not exist"):
+        other.read_if_present("meta/stats.json")  # RepoNotFound is not an absent file
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1]", b'{"path": "a"}',
+                                  b'[{"type": "file", "path": "a", "size": "3", "oid": "x"}]',
+                                  b'[{"type": "file", "path": "a", "size": 3, "lfs": [1]}]',
+                                  b'[{"type": "file", "path": "a", "size": 3}]'])
+def test_a_listing_that_is_not_one_is_a_fetch_error_naming_the_url(body):
+    source = HubSource(parse_hf_root("hf://datasets/o/n"), "http://127.0.0.1:9", COMMIT)
+    with pytest.raises(FetchError, match="http://x/tree: not"):
+        source._listed("http://x/tree", body)
+    directory = b'[{"type": "directory", "path": "d", "oid": "1"}, '
+    listing = directory + b'{"type": "file", "path": "d/a", "size": 3, "lfs": {"oid": "f"}}]'
+    assert source._listed("http://x/tree", listing) == {"d/a": (3, "sha256:f")}

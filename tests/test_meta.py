@@ -24,12 +24,8 @@ from refstream.errors import (
     UnsupportedDataset,
     UsageError,
 )
-from refstream.meta import (
-    check_relpath,
-    load_meta,
-    select_episodes,
-)
-from refstream.source import LocalSource
+from refstream.meta import load_meta, select_episodes
+from refstream.source import LocalSource, check_relpath
 from refstream.tools import adapters
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
@@ -255,6 +251,21 @@ def test_a_json_file_that_is_not_json_is_named(tmp_path, relpath):
     (tmp_path / relpath).write_bytes(b"\xff not json")
     with pytest.raises(MalformedDataset, match=f"^{relpath}: not valid JSON"):
         load_meta(LocalSource(tmp_path))
+
+
+def test_json_nested_past_the_parser_s_depth_is_named_not_a_recursion_error(tmp_path):
+    write_layout(tmp_path, [4])
+    (tmp_path / "meta/stats.json").write_bytes(b"[" * 100_000)
+    with pytest.raises(MalformedDataset, match="^meta/stats.json: not valid JSON"):
+        load_meta(LocalSource(tmp_path))
+
+
+def test_a_dataset_without_stats_json_has_none_and_with_one_has_its_arrays(tmp_path):
+    write_layout(tmp_path, [4])
+    (tmp_path / "meta/stats.json").write_bytes(b'{"action": {"max": [2, 3]}}')
+    assert load_meta(LocalSource(tmp_path)).stats["action"]["max"].tolist() == [2.0, 3.0]
+    (tmp_path / "meta/stats.json").unlink()
+    assert load_meta(LocalSource(tmp_path)).stats is None
 
 
 def test_stats_json_may_hold_nan_as_lerobot_writes_it_and_info_json_may_not(tmp_path):

@@ -46,8 +46,9 @@ from refstream.errors import (
 )
 from refstream.meta import load_meta
 from refstream.mp4 import SampleIndex
+from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, ensure_index, read_record, record_name
-from refstream.source import LocalSource, open_source
+from refstream.source import LocalSource
 from refstream.tools import adapters
 from refstream.tools.cli import export_index
 
@@ -654,6 +655,14 @@ def test_a_corrupt_record_is_rebuilt_alone(root, cache, corruption):
     again = ensure(root, cache, indexer=counting)
     assert counting.calls == [RELPATHS[1]]
     assert_matches_oracle(again, root)
+
+
+def test_a_programming_error_while_reading_a_record_is_not_called_corrupt(root, cache,
+                                                                           monkeypatch):
+    record = ensure(root, cache).records[RELPATHS[1]]
+    monkeypatch.setattr(sidecar, "_stored_arrays", lambda *args: None.missing)  # a bug
+    with pytest.raises(AttributeError):
+        read_record(record.path, record.size, record.identity)
 
 
 def test_a_record_claiming_a_huge_header_is_refused_without_reading_it(tmp_path):

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from media import CountingCodec
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -258,12 +259,15 @@ def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_w
     # anchors want decodes each GOP once: as many frames as the cameras hold, long GOPs too.
     decoded = multiprocessing.Value("q", 0)
 
+    def count(frames: int) -> None:
+        with decoded.get_lock():
+            decoded.value += frames
+
     class Counted(refstream.decode.EpisodeDecoder):
-        def close(self) -> None:
-            with decoded.get_lock():
-                decoded.value += self.decoded_frames
-            self.decoded_frames = 0
-            super().close()
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if not isinstance(self.codec, CountingCodec):  # a peer's context counts already
+                self.codec = CountingCodec(self.codec, count)
 
     monkeypatch.setattr(refstream.decode, "EpisodeDecoder", Counted)
     dataset = StreamingDataset(dataset_root, delta_timestamps=WINDOWS, seed=4, batch_size=4,

@@ -9,6 +9,7 @@ import math
 import subprocess
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import av
 import numpy as np
@@ -17,11 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from media import parse_index_bytes
 
-from refstream.errors import FrameNotFound, UsageError
+from refstream.errors import FrameNotFound, TableError, UsageError
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.synth import (
     Span,
+    episode_spans,
     select_span,
+    serving_pts,
     serving_samples,
     synthesize,
     synthesize_header,
@@ -431,3 +434,41 @@ def test_a_span_allocates_memory_for_its_samples_not_for_its_file():
         tracemalloc.stop()
     assert (span.sample_lo, span.sample_hi) == (n - 40, n - 11)
     assert held < n * 8 // 10, f"planning one span left {held:,} bytes allocated"
+
+
+def one_episode(index: SampleIndex, first: int, frames: int, fps: int) -> SimpleNamespace:
+    """What synth reads of a dataset's metadata: one episode of ``frames`` rows on one camera,
+    starting at the file's ``first`` presented frame."""
+    from_s = float(np.sort(index.pts)[first]) / index.timescale
+    return SimpleNamespace(fps=fps, camera_keys=["cam"], frames=lambda e: frames,
+                           row=lambda e: 0, data_relpath=lambda e: "data.parquet",
+                           video_relpath=lambda e, camera: "video.mp4",
+                           video_from_s={"cam": np.array([from_s])},
+                           video_to_s={"cam": np.array([from_s + frames / fps])})
+
+
+@pytest.mark.parametrize("name", ["h264_b", "av1_g30", "h264_opengop"])
+def test_serving_pts_is_each_rows_nearest_frame_inside_the_planned_span(name):
+    # Oracle: every frame of the file against every row, in binary64 as SPEC §7.1 writes it;
+    # the nearest that serves, then the earliest. Rows 0.4 frame late with a tolerance of 0.7
+    # frame: two frames serve each row.
+    _, index = source(name)
+    presented = np.sort(index.pts)
+    fps = round(index.timescale / float(np.median(np.diff(presented))))
+    rows, tolerance_s = len(index) // 2, 0.7 / fps
+    meta = one_episode(index, 3, rows, fps)
+    from_s = float(meta.video_from_s["cam"][0])
+    timestamps = ((np.arange(rows) + 0.4) / fps).astype(np.float32)
+    planned = episode_spans(meta, 0, {"video.mp4": index}, tolerance_s, timestamps)
+    chosen = serving_pts(meta, 0, planned, tolerance_s, timestamps)["cam"]
+    expected = []
+    for t in from_s + timestamps.astype(np.float64):
+        distances = [(abs(int(p) / index.timescale - t), int(p)) for p in index.pts]
+        expected.append(min(d for d in distances if d[0] <= tolerance_s)[1])
+    assert chosen.tolist() == expected
+    # The last row asks for the file's last frame, beyond the span planned from frame_index / fps.
+    nominal = episode_spans(meta, 0, {"video.mp4": index}, 1e-4)
+    late = (np.arange(rows) / fps).astype(np.float32)
+    late[-1] = np.float32(presented[-1] / index.timescale - from_s)
+    with pytest.raises(TableError, match="outside samples"):
+        serving_pts(meta, 0, nominal, 1e-4, late)

@@ -27,19 +27,19 @@ from requests.structures import CaseInsensitiveDict
 
 from refstream import resume
 from refstream.budget import ByteBudget
-from refstream.decode import select_frames
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
 from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
-from refstream.meta import check_relpath, load_meta, select_episodes
+from refstream.meta import load_meta, select_episodes
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
 from refstream.rng import below, derive_key, permutation, resolve_seed, u64
 from refstream.shard import rank_share, split_limits, worker_shares
 from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
-from refstream.source import LocalSource
+from refstream.source import LocalSource, check_relpath
 from refstream.synth import (
     check_frame_rate,
+    select_frames,
     select_span,
     serving_samples,
     span_of,
@@ -220,6 +220,9 @@ class MemorySource:
         if check_relpath(relpath) not in self.files:
             raise MalformedDataset(f"{relpath}: missing from the dataset")
         return self.files[relpath]
+
+    def read_if_present(self, relpath: str) -> bytes | None:
+        return self.files.get(check_relpath(relpath))
 
 
 def kind_meta(case: dict) -> dict:

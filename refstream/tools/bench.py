@@ -372,8 +372,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-# Frames decoded by refstream's decoders, in every process: CountedDecoder adds its count when
-# it closes (a worker closes every decoder by the end of its epoch).
+# Frames decoded by refstream's decoders, in every process (counted by their codec contexts).
 DECODED = multiprocessing.Value("q", 0)
 
 
@@ -381,11 +380,26 @@ class CountedDecoder(decode.EpisodeDecoder):
     """refstream's decoder, counting into :data:`DECODED` (installed by :func:`run_bench`; the
     DataLoader's workers fork with it)."""
 
-    def close(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.codec, CountedCodec):  # a peer's shared context counts already
+            self.codec = CountedCodec(self.codec)
+
+
+class CountedCodec:
+    """A decoder's codec context adding the frames each packet decodes to into DECODED."""
+
+    def __init__(self, codec) -> None:
+        self.codec = codec
+
+    def decode(self, packet):
+        frames = self.codec.decode(packet)
         with DECODED.get_lock():
-            DECODED.value += self.decoded_frames
-        self.decoded_frames = 0
-        super().close()
+            DECODED.value += len(frames)
+        return frames
+
+    def flush_buffers(self) -> None:
+        self.codec.flush_buffers()
 
 
 class TimedCollate:

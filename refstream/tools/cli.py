@@ -243,7 +243,7 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
     from refstream.meta import load_meta, select_episodes
-    from refstream.source import open_source
+    from refstream.roots import open_source
 
     chosen = _episode_ids(args.episodes)
     if args.limit < 0:
@@ -320,7 +320,7 @@ def add_index(subparsers) -> None:
 def run_index(args) -> int:
     from refstream import sidecar
     from refstream.meta import load_meta
-    from refstream.source import open_source
+    from refstream.roots import open_source
 
     started = time.monotonic()
     with contextlib.closing(open_source(args.root)) as source:
@@ -447,7 +447,7 @@ def add_doctor(subparsers) -> None:
 
 def run_doctor(args) -> int:
 
-    from refstream.source import open_source
+    from refstream.roots import open_source
     from refstream.tools.doctor import check_dataset, unreadable
 
     try:

@@ -2,7 +2,7 @@
 
 Usage (``refstream doctor ROOT|URL [--decode all] [--json]`` does the same from the shell)::
 
-    source = refstream.source.open_source(root)
+    source = refstream.roots.open_source(root)
     report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
     report.ok                                   # True when every check passed
     report.not_checked                          # what was not checked (empty: safe to train)
@@ -35,13 +35,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refstream import sidecar, synth
-from refstream.decode import EpisodeDecoder, select_frames
+from refstream.decode import EpisodeDecoder
 from refstream.errors import (
     DatasetError,
     FrameNotFound,
     MalformedDataset,
     RefstreamError,
     SidecarInvalid,
+    TableError,
     UsageError,
 )
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
@@ -480,31 +481,19 @@ def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], e
                            camera: str, seconds: np.ndarray, tolerance_s: float) -> str | None:
     """What keeps one episode's frames of one camera from being served (SPEC §11.5), or None:
     an unserved request time, or one outside the span streaming plans from nominal times."""
-    index = indexes[meta.video_relpath(episode, camera)]
-    times_s = synth.request_times_s(meta, episode, camera, seconds)
-    unserved = synth.serving_samples(index.pts, index.timescale, times_s,
-                                     tolerance_s).unserved(len(times_s))
-    if len(unserved):
-        k = int(unserved[0])
-        pts_s = np.sort(index.pts) / index.timescale
-        frames = (f"its frames span [{pts_s[0]:.6f}, {pts_s[-1]:.6f}] s" if len(pts_s)
-                  else "it has no frames")
-        from_s = float(meta.video_from_s[camera][meta.row(episode)])
-        return (f"{len(unserved)} of {len(times_s)} request times have no frame within "
-                f"{tolerance_s} s; first {times_s[k]:.6f} s (from_timestamp {from_s} + "
-                f"timestamp {float(seconds[k])}); {frames}")
     try:
-        _, planned = synth.episode_spans(meta, episode, indexes, tolerance_s,
-                                         cameras=[camera])[camera]
-        _, needed = synth.episode_spans(meta, episode, indexes, tolerance_s, seconds,
-                                        [camera])[camera]
+        synth.episode_spans(meta, episode, indexes, tolerance_s, seconds, [camera])
+    except FrameNotFound as exc:
+        return str(exc).removeprefix(f"{meta.video_relpath(episode, camera)}: ")
+    try:
+        planned = synth.episode_spans(meta, episode, indexes, tolerance_s, cameras=[camera])
     except FrameNotFound as exc:
         return (f"the nominal times from_timestamp + frame_index / fps that streaming plans "
                 f"with are not all served ({exc})")
-    if not planned.covers(needed):
-        return (f"its timestamps need samples {needed.sample_lo}..{needed.sample_hi}, outside "
-                f"samples {planned.sample_lo}..{planned.sample_hi} that streaming plans from "
-                f"frame_index / fps (timestamps disagree with frame_index / fps)")
+    try:
+        synth.serving_pts(meta, episode, planned, tolerance_s, seconds)
+    except TableError as exc:
+        return str(exc)
     return None
 
 
@@ -650,12 +639,9 @@ def _request_jobs(meta: DatasetMeta, relpath: str, index: SampleIndex,
         if seconds is None:
             continue  # its rows failed the rows check
         try:
-            _, span = synth.episode_spans(meta, episode, indexes={relpath: index},
-                                          tolerance_s=tolerance_s, timestamps_s=seconds,
-                                          cameras=[camera])[camera]
+            spans = synth.episode_spans(meta, episode, {relpath: index}, tolerance_s, seconds,
+                                        [camera])
         except RefstreamError:
             continue
-        pts = index.pts[span.sample_lo : span.sample_hi + 1].astype(np.int64)
-        times_s = synth.request_times_s(meta, episode, camera, seconds)
-        chosen = select_frames(pts, index.timescale, times_s, tolerance_s, relpath)
-        yield f"episode {episode}, camera {camera}, {relpath}", span, np.unique(pts[chosen])
+        pts = synth.serving_pts(meta, episode, spans, tolerance_s, seconds)[camera]
+        yield f"episode {episode}, camera {camera}, {relpath}", spans[camera][1], np.unique(pts)

@@ -48,7 +48,7 @@ from lerobot.utils.constants import TRAINING_STATE_DIR
 from refstream import shard
 from refstream.errors import UsageError
 from refstream.meta import DatasetMeta, load_meta
-from refstream.source import open_source
+from refstream.roots import open_source
 from refstream.stream import StreamingDataset
 
 __all__ = ["main", "DATA_STATE"]
