@@ -303,9 +303,8 @@ class HTTPSource(Source):
         check_span(url, offset, length)
         if length == 0:
             return b""
-        request = _Request(url, f"{url} {byte_range(offset, length)}", relpath,
-                           first_last=(offset, offset + length - 1))
-        return self._get(request).body
+        return self._get(_Request(url, f"{url} {byte_range(offset, length)}", relpath,
+                                  first_last=(offset, offset + length - 1))).body
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         url = self.url(relpath)
@@ -343,12 +342,11 @@ class HTTPSource(Source):
         answer = self._get(_Request(url, where, method="HEAD", absent_ok=absent_ok))
         if answer is None:
             return None, None
-        hops = answer.hops
-        size = parse_decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
+        size = parse_decimal(_on_chain(answer.hops, "X-Linked-Size", "Content-Length"))
         if size is None:
             raise BadRangeResponse(f"{where}: no Content-Length")
         self._sizes[relpath] = size
-        return size, _identity_of(hops)
+        return size, _identity_of(answer.hops)
 
     def _attempt(self, request: _Request) -> _Answer | Retry | FallBack | None:
         response, hops = self._send(request.method, request.url, request.headers(), request.where)

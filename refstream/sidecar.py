@@ -6,10 +6,9 @@ Use::
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are views of the mapped
-records in their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must
-not wrap). The ``refstream.sidecar`` logger says at INFO where the index came from, and a
-build's progress when ``ensure_index`` is given no ``progress(done, total)``.
+:class:`MappedIndex`'s arrays are read-only views in their stored dtypes: widen a slice before
+arithmetic that could wrap (``pts − dts``). The ``refstream.sidecar`` logger says at INFO where
+the index came from, and a build's progress when ``ensure_index`` is given no ``progress``.
 """
 
 from __future__ import annotations
