@@ -174,8 +174,7 @@ def _suffix_range(suffix: int, size: int) -> tuple[int, int]:
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` in seconds (a decimal or an HTTP date, SPEC §8.2 rule 3), None when absent
-    or invalid; a date is measured from ``now`` (default: the clock)."""
+    """``Retry-After`` in seconds after ``now`` (SPEC §8.2 rule 3), None when absent or invalid."""
     value = (value or "").strip()
     if parse_decimal(value) is not None:
         return float(value)
@@ -466,7 +465,6 @@ def _identity_of(hops: list[requests.Response]) -> str:
 
 
 def _on_chain(hops: list[requests.Response], linked: str, final: str) -> str | None:
-    """The first ``linked`` header on a redirect chain, else the final answer's ``final``."""
     for hop in hops:
         if hop.headers.get(linked):
             return hop.headers[linked]

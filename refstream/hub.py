@@ -144,8 +144,7 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
 
 
 class HubSource(HTTPSource):
-    """An :class:`HTTPSource` on one commit of a Hub dataset: the commit is every file's identity,
-    the tree listing gives content identities, and redirect targets are shared (module doc)."""
+    """An :class:`HTTPSource` on one commit of a Hub dataset (module docstring)."""
 
     def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
         super().__init__(hf.base_url(endpoint, commit), **options)

@@ -384,8 +384,7 @@ def pin_identities(source: Source, records: dict[str, Record]) -> None:
 
 def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
                       records: dict[str, Record]) -> dict[str, Record]:
-    """Records of this process's own for the files without identity (not in ``records``),
-    with a warning naming them (SPEC §10.7)."""
+    """This process's own records of the files without identity, named in a warning (SPEC §10.7)."""
     unstable = sorted(set(identities) - set(records))
     if not unstable:
         return {}
