@@ -1,11 +1,14 @@
 """The byte budget: a thread-safe table of whole-episode reservations (SPEC §8.6, §9.3).
 
 The table counts bytes and never holds payloads: the caller keeps them and drops the payloads of
-every episode the table evicts. The calls of one worker, in the order it makes them::
+every episode the table *evicts* (drops a fetched, unleased reservation, least recently used
+first, to make room). A *lease* is one hold on a reservation that keeps it from eviction. The
+calls of one worker, in the order it makes them::
 
     budget = ByteBudget(budget_bytes)
-    budget.try_reserve(e, size)          # prefetch: never waits; False when it does not fit
-    budget.acquire(e, size)              # admission or a decode: reserve, waiting, + one lease
+    budget.reserve_in_room(e, size)      # prefetch: reserve only if it fits without evicting
+    budget.touch(episodes)               # make these the most recently used, the last one last
+    budget.acquire(e, size)              # admission: reserve, evicting or waiting, + one lease
     if budget.claim_fetch(e):            # True once per reservation: this caller fetches,
         budget.mark_resident(e, nbytes)  #   counts each payload that arrived,
         budget.mark_fetched(e)           #   and says no more is coming (also after a failure)
@@ -14,10 +17,10 @@ every episode the table evicts. The calls of one worker, in the order it makes t
     budget.take_evicted()                # evicted since the last call: drop their payloads
     budget.close()                       # every waiter wakes with BudgetClosed
 
-The state machine is SPEC §8.6 and lives here only; ``resident ≤ reserved ≤ budget_bytes`` holds
-at every instant. ``acquire`` is the only call that blocks: it waits on a condition woken by
-every change that can free room. After ``close()`` releasing calls do nothing, so cleanup paths
-never raise.
+The state machine is SPEC §8.6 and lives here only, with the one rule of what fits (:func:`fits`,
+:func:`check_episode_size`) that the planner applies too. ``acquire`` is the only call that
+blocks, on a condition woken by every change that can free room. After ``close()`` releasing
+calls do nothing, so cleanup paths never raise.
 """
 
 from __future__ import annotations
@@ -25,13 +28,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from refstream.errors import BudgetClosed, BudgetError, EpisodeTooLarge, UsageError, check_at_least
 
-__all__ = ["ByteBudget", "BudgetSnapshot"]
+__all__ = ["ByteBudget", "BudgetSnapshot", "fits", "check_episode_size"]
 
 log = logging.getLogger(__name__)
+
+
+def fits(reserved_bytes: int, size_bytes: int, budget_bytes: int) -> bool:
+    """Whether ``size_bytes`` more fit beside ``reserved_bytes`` in a budget of ``budget_bytes``."""
+    return reserved_bytes + size_bytes <= budget_bytes
+
+
+def check_episode_size(episode: int, size_bytes: int, budget_bytes: int, advice: str = "") -> None:
+    """EpisodeTooLarge, ending with ``advice``, when ``episode`` alone does not fit the budget."""
+    if not fits(0, size_bytes, budget_bytes):
+        raise EpisodeTooLarge(f"episode {episode} needs {size_bytes:,} bytes, more than the whole "
+                              f"byte budget of {budget_bytes:,} bytes{advice}")
 
 
 @dataclass(frozen=True)
@@ -82,10 +98,6 @@ class ByteBudget:
                 peak_reserved_bytes=self._peak_reserved_bytes,
                 leases=sum(r.leases for r in self._table.values()))
 
-    def is_reserved(self, episode: int) -> bool:
-        with self._cond:
-            return episode in self._table
-
     def lru_order(self) -> list[int]:
         """Reserved episodes, least recently used first."""
         with self._cond:
@@ -96,6 +108,19 @@ class ByteBudget:
     def try_reserve(self, episode: int, size_bytes: int) -> bool:
         with self._cond:
             return self._reserve_locked(episode, size_bytes)
+
+    def reserve_in_room(self, episode: int, size_bytes: int) -> bool:
+        """Reserve ``episode`` only if it fits beside the others, evicting nothing; never waits."""
+        with self._cond:
+            return self._reserve_locked(episode, size_bytes, evict=False)
+
+    def touch(self, episodes: Iterable[int]) -> None:
+        """Make each reserved one of ``episodes`` in turn the most recently used (so the last is
+        evicted last); the others are skipped."""
+        with self._cond:
+            for episode in episodes:
+                if episode in self._table:
+                    self._table.move_to_end(episode)
 
     def acquire(self, episode: int, size_bytes: int, *, timeout_s: float | None = None) -> bool:
         """Reserve, waiting until it fits, and take one lease, atomically; False only when
@@ -186,7 +211,7 @@ class ByteBudget:
     def _reserved_locked(self) -> int:
         return sum(entry.size_bytes for entry in self._table.values())
 
-    def _reserve_locked(self, episode: int, size_bytes: int) -> bool:
+    def _reserve_locked(self, episode: int, size_bytes: int, evict: bool = True) -> bool:
         if self._closed:
             raise BudgetClosed(f"episode {episode}: the byte budget is closed")
         if size_bytes < 0:
@@ -198,18 +223,16 @@ class ByteBudget:
                                  f"asked again at {size_bytes} bytes")
             self._table.move_to_end(episode)
             return True
-        if size_bytes > self.budget_bytes:
-            raise EpisodeTooLarge(f"episode {episode}: {size_bytes} bytes exceed the byte budget "
-                                  f"of {self.budget_bytes} bytes")
-        shortfall = self._reserved_locked() + size_bytes - self.budget_bytes
+        check_episode_size(episode, size_bytes, self.budget_bytes)
+        kept = self._reserved_locked()  # bytes reserved once the victims are evicted
         victims: list[int] = []
         for victim, other in self._table.items():  # LRU first, the evictable until it fits
-            if shortfall <= 0:
+            if not evict or fits(kept, size_bytes, self.budget_bytes):
                 break
             if other.leases == 0 and other.fetched:
                 victims.append(victim)
-                shortfall -= other.size_bytes
-        if shortfall > 0:
+                kept -= other.size_bytes
+        if not fits(kept, size_bytes, self.budget_bytes):
             return False
         for victim in victims:
             del self._table[victim]

@@ -111,8 +111,7 @@ class EpisodeDecoder:
         if out.shape != shape or out.dtype not in PIXEL_DTYPES:
             raise DecodeError(f"{self.label}: frames are {shape} but the output is {out.dtype} "
                               f"{out.shape}: every video of a camera needs one size")
-        for local in wanted if self.demand is not None else ():
-            source = local + self.start_pts
+        for source in map(int, pts_ticks) if self.demand is not None else ():
             self.demand[source] = self.demand.get(source, 1) - 1
         try:
             missing = set(wanted).difference(self.kept)
@@ -162,8 +161,7 @@ class EpisodeDecoder:
         self.kept_bytes = 0
 
     def _decode(self, first: int, last: int, wanted: set[int]) -> dict[int, av.VideoFrame]:
-        """The decoded frames of ``wanted`` (local ticks, ``first`` to ``last``) and those a later
-        request wants, keyed by pts."""
+        """The decoded frames of ``wanted`` (local ticks ``first`` to ``last``) or wanted later."""
         stream = self._container.streams.video[0]
         start = stream.start_time  # the earliest presentation time, None if unknown
         # The first step back is one frame: seeks go by decode time, which trails presentation
@@ -239,9 +237,8 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
 
 
 class DecoderCache:
-    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)``, the least recently
-    used closed first, keeping at most ``keep_bytes`` of frames together; for one thread at a
-    time (a worker gives each decode thread its own)."""
+    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)`` (least recently
+    used closed first), keeping ``keep_bytes`` of frames at most; for one thread at a time."""
 
     def __init__(self, capacity: int, keep_bytes: int = 0) -> None:
         check_at_least(1, capacity=capacity)

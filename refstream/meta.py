@@ -173,19 +173,14 @@ def load_meta(source: Source) -> DatasetMeta:
         **{field: columns[name] for name, field in EPISODE_COLUMNS.items()},
         **{field: {key: columns[f"videos/{key}/{name}"] for key in cameras}
            for name, field in VIDEO_COLUMNS.items()},
-        **_lerobot_view(info, columns, cameras, tasks))
+        # LeRobot's view, under its names
+        info=SimpleNamespace(**info), episodes=columns, robot_type=info.get("robot_type"),
+        video_keys=cameras, image_keys=[], total_tasks=len(tasks),
+        depth_keys=[key for key, feature in info["features"].items() if _is_depth(feature)],
+        has_language_columns=any(key in info["features"] for key in LANGUAGE_COLUMNS))
     _check_episodes(meta)
     _check_paths(meta)
     return meta
-
-
-def _lerobot_view(info: dict, columns: dict, cameras: list[str], tasks: list[str]) -> dict:
-    """The fields of :class:`DatasetMeta` that LeRobot's trainer reads, under its names."""
-    features = info["features"]
-    return dict(info=SimpleNamespace(**info), episodes=columns, robot_type=info.get("robot_type"),
-                video_keys=cameras, image_keys=[], total_tasks=len(tasks),
-                depth_keys=[key for key, feature in features.items() if _is_depth(feature)],
-                has_language_columns=any(key in features for key in LANGUAGE_COLUMNS))
 
 
 def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[int]:
@@ -224,9 +219,8 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
             feature["shape"] = tuple(feature["shape"])
     for key, feature in features.items():
         if feature["dtype"] == "image":
-            raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (images "
-                                     "stored inside Parquet); refstream streams only cameras "
-                                     "stored as videos")
+            raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (in "
+                                     "Parquet); refstream streams only cameras stored as videos")
     cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
     _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
     if cameras or info.get("video_path") is not None:
@@ -249,12 +243,10 @@ def _not_json(token: str) -> None:
 def _check_version(info: dict) -> None:
     version = info.get("codebase_version")
     storage = info.get("storage_format", "parquet")
-    if storage == "lance":
-        raise UnsupportedDataset(f"{INFO_PATH}: LeRobot {version} dataset with storage_format "
-                                 "'lance' (a Lance table, read by lerobot-lancedb); refstream "
-                                 "reads only Parquet + MP4 layouts")
     if storage != "parquet":
-        raise UnsupportedDataset(f"{INFO_PATH}: unknown storage_format {storage!r}")
+        kind = "a Lance table's (read by lerobot-lancedb)" if storage == "lance" else "unknown"
+        raise UnsupportedDataset(f"{INFO_PATH}: {kind} storage_format {storage!r}; refstream "
+                                 "reads only Parquet + MP4 layouts")
     if not isinstance(version, str):
         raise MalformedDataset(f"{INFO_PATH}: codebase_version missing or not a string")
     if version != SUPPORTED_VERSION:
@@ -279,9 +271,8 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
         padded = field in INDEX_FIELDS and _ZERO_PADDED.fullmatch(spec)
         if field not in fields or conversion is not None or not (spec == "" or padded):
             raise MalformedDataset(f"{INFO_PATH}: {name} {template!r}: placeholder {field!r} "
-                                   f"is not allowed as written; allowed are {sorted(fields)} "
-                                   "as {name}, an index also as {name:0Nd} (e.g. "
-                                   "{chunk_index:03d})")
+                                   f"is not allowed as written; allowed are {sorted(fields)} as "
+                                   "{name}, an index also as {name:0Nd} (e.g. {chunk_index:03d})")
         used.add(field)
     if used != fields:
         raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} lacks placeholder(s) "
@@ -302,9 +293,7 @@ def _format_path(template: str, name: str, **values: object) -> str:
 def _read_episodes(source: Source, info: dict,
                    camera_keys: list[str]) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
     """The episode columns of every episodes file, concatenated, and each file's row count."""
-    wanted = list(EPISODE_COLUMNS)
-    for key in camera_keys:
-        wanted += [f"videos/{key}/{name}" for name in VIDEO_COLUMNS]
+    wanted = [*EPISODE_COLUMNS, *(f"videos/{k}/{n}" for k in camera_keys for n in VIDEO_COLUMNS)]
     total = info["total_episodes"]
     # Each column starts as an empty array of its type: with no episodes it is that array.
     parts = {c: [np.zeros(0, np.float64 if c.endswith("timestamp") else np.int64)] for c in wanted}
@@ -403,10 +392,9 @@ def _check_episodes(meta: DatasetMeta) -> None:
         raise MalformedDataset(f"{where}: episode_index not strictly increasing: {int(ids[i])} "
                                f"then {int(ids[i + 1])} (ids must be unique and sorted)")
     if (i := _first((frames != meta.length) | (meta.from_index < 0) | (frames < 0))) is not None:
-        raise MalformedDataset(f"{where}: episode {int(ids[i])}: dataset_to_index - "
-                               f"dataset_from_index = {int(meta.to_index[i])} - "
-                               f"{int(meta.from_index[i])} = {int(frames[i])}, but length is "
-                               f"{int(meta.length[i])}")
+        raise MalformedDataset(f"{where}: episode {int(ids[i])}: dataset_to_index - dataset_"
+                               f"from_index = {int(meta.to_index[i])} - {int(meta.from_index[i])}"
+                               f" = {int(frames[i])}, but length is {int(meta.length[i])}")
     if int(frames.sum()) != meta.total_frames:
         raise MalformedDataset(f"{where}: episodes hold {int(frames.sum())} frames, but "
                                f"{INFO_PATH} total_frames is {meta.total_frames}")
@@ -421,8 +409,7 @@ def _check_episodes(meta: DatasetMeta) -> None:
     indices += [(f"videos/{k}", meta.video_chunk[k], meta.video_file[k]) for k in meta.camera_keys]
     for name, chunks, files in indices:
         if (i := _first((chunks < 0) | (files < 0))) is not None:
-            raise MalformedDataset(f"{where}: episode {int(ids[i])}: negative {name} chunk/file "
-                                   "index")
+            raise MalformedDataset(f"{where}: episode {int(ids[i])}: {name} chunk/file index < 0")
 
 
 def _first(bad: np.ndarray) -> int | None:

@@ -135,8 +135,7 @@ def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) 
 
 
 def walk_boxes(data: bytes, start: int, limit: int, base: int, path: str) -> list[Box]:
-    """The boxes laid end to end in ``data[start:limit]``; ``base`` is the file offset of
-    ``data[0]``."""
+    """The boxes laid end to end in ``data[start:limit]``; ``data[0]`` is at file offset base."""
     boxes = []
     pos = start
     while pos < limit:

@@ -7,8 +7,9 @@ does no I/O and never waits: the stream fetches what it admits and follows its o
                       pool_size=p, byte_sizes=sizes, byte_budget=b)   # sizes and budget optional
     planner.skip(offset)                        # resume: the state after `offset` anchors
     for episode, frame in planner:
-        admitted, evicted = planner.drain_events()   # fetch the admitted, let the evicted go
+        admitted, drained = planner.drain_events()   # fetch the admitted, free the drained
         planner.frontier(k)                          # the next k to admit: prefetch candidates
+        planner.frames_to_come(e)                    # e's frames still to come, in order
     planner.emitted()                           # {episode: frames emitted so far}
 
 ``delivered`` (one count per episode) plans the rest of a partly emitted epoch (SPEC §3.9).
@@ -27,7 +28,8 @@ from itertools import accumulate, islice
 
 import numpy as np
 
-from refstream.errors import EpisodeTooLarge, UsageError, check_at_least
+from refstream.budget import check_episode_size, fits
+from refstream.errors import UsageError, check_at_least
 from refstream.rng import below_unchecked, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
@@ -69,7 +71,7 @@ class Planner:
         self._round: deque[int] = deque()  # the rest of the current round, round_robin
         self._rounds_started = 0
         self._admitted_events: list[int] = []
-        self._evicted_events: list[int] = []
+        self._drained_events: list[int] = []
         self._admit()
 
     # --- what the I/O layer reads -------------------------------------------------------------
@@ -95,9 +97,10 @@ class Planner:
         return {e: n for e, n in counts.items() if n}
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        """``(admitted, evicted)`` episodes since the last call, each in event order."""
-        events = (self._admitted_events, self._evicted_events)
-        self._admitted_events, self._evicted_events = [], []
+        """``(admitted, drained)`` episodes since the last call, each in event order: an episode
+        *drains* when its last anchor of the epoch is emitted, and leaves the pool."""
+        events = (self._admitted_events, self._drained_events)
+        self._admitted_events, self._drained_events = [], []
         return events
 
     # --- iteration ----------------------------------------------------------------------------
@@ -109,17 +112,26 @@ class Planner:
         if not self._left:
             raise StopIteration
         episode = self._choose()
-        order = self._orders.get(episode)
-        if order is None:
-            key = extend_key(self._frames_key, episode)
-            order = permutation(key, np.arange(self._frames[episode])).tolist()
-            self._orders[episode] = order
+        order = self._orders.get(episode) or self._order(episode)
         frame = order[self._frames[episode] - self._left[episode]]
         self._take(episode)
         return episode, frame
 
+    def frames_to_come(self, episode: int) -> list[int]:
+        """The frames of ``episode`` this epoch has still to emit, in their order."""
+        left = self._rest[episode] if episode in self._pending else self._left.get(episode, 0)
+        order = (self._orders.get(episode) or self._order(episode)) if left else []
+        return order[self._frames[episode] - left:]
+
+    def _order(self, episode: int) -> list[int]:
+        """The keyed order of all of ``episode``'s frames (SPEC §3.3), kept until it drains."""
+        key = extend_key(self._frames_key, episode)
+        self._orders[episode] = permutation(key, np.arange(self._frames[episode])).tolist()
+        return self._orders[episode]
+
     def skip(self, n: int) -> None:
-        """The state after ``n`` more anchors, events included, without their frames (§3.4)."""
+        """Pass the next ``n`` anchors without computing their frames (SPEC §3.4); the
+        admissions and drains they cause are reported by drain_events as if emitted."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         for _ in range(n):
@@ -127,8 +139,10 @@ class Planner:
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
-        if self._strategy == "pool":  # the resident whose frames left hold draw t
-            ends = list(accumulate(self._left.values()))  # ends[-1] is R
+        if self._strategy == "pool":
+            # Draw t below the residents' frames left, R; each resident owns a run of that many
+            # numbers below R, in admission order, and the one whose run holds t is chosen.
+            ends = list(accumulate(self._left.values()))  # the runs' ends; ends[-1] is R
             t = below_unchecked(ends[-1], self._draw_key, self._emitted)
             return list(self._left)[bisect_right(ends, t)]
         if not self._round:
@@ -138,23 +152,23 @@ class Planner:
         return self._round.popleft()
 
     def _take(self, episode: int) -> None:
-        """One anchor of ``episode``; after its last it leaves the pool, and others come in."""
+        """One anchor of ``episode``; after its last it drains, and others come in."""
         self._emitted += 1
         self._left[episode] -= 1
         if not self._left[episode]:
             del self._left[episode]
             self._used -= self._sizes[episode]
             self._orders.pop(episode, None)
-            self._evicted_events.append(episode)
+            self._drained_events.append(episode)
             self._admit()
 
     def _admit(self) -> None:
         """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
         while len(self._left) < self._pool_size and self._pending:
-            room = self._budget - self._used
-            episode = next((e for e in self._pending if self._sizes[e] <= room), None)
+            episode = next((e for e in self._pending
+                            if fits(self._used, self._sizes[e], self._budget)), None)
             if episode is None:
-                return  # wait for an eviction to free bytes
+                return  # wait until a drained episode frees bytes
             self._pending.remove(episode)
             self._used += self._sizes[episode]
             self._left[episode] = self._rest[episode]
@@ -181,7 +195,6 @@ def _check_budget(episodes, frames, byte_sizes, byte_budget) -> dict[int, int]:
     check_at_least(1, byte_budget=byte_budget)
     ids = check_episodes(episodes, byte_sizes, "byte sizes")
     for episode, count, size in zip(ids, frames, byte_sizes, strict=True):
-        if count > 0 and size > byte_budget:
-            raise EpisodeTooLarge(f"episode {episode} needs {size} bytes, more than the whole "
-                                  f"byte budget of {byte_budget} bytes")
+        if count > 0:
+            check_episode_size(episode, size, byte_budget)
     return {episode: int(size) for episode, size in zip(ids, byte_sizes, strict=True)}

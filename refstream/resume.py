@@ -25,19 +25,20 @@ strategy, pool setting, repeat or selection is refused, never reinterpreted.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import numpy as np
 
 from refstream.errors import ResumeError, TopologyChanged, UsageError, check_int, is_int
 from refstream.planner import STRATEGIES, Planner
-from refstream.shard import ceil_div, lpt_partition, rank_share, split_limits, worker_shares
+from refstream.shard import ceil_div, lpt_partition, rank_shares, split_limits, worker_shares
 
 __all__ = ["TOPOLOGY", "ResumeSetup", "Segment", "ResumeState", "ResumePositions", "Delivered",
-           "Course", "delivered_by", "selection_digest", "batches_per_worker", "epoch_batches",
-           "resume_positions"]
+           "Course", "WorkerPlan", "delivered_by", "selection_digest", "batches_per_worker",
+           "epoch_batches", "resume_positions"]
 
 
 @dataclass(frozen=True)
@@ -194,26 +195,38 @@ def resume_positions(
     _check_whole_batches(samples, batch_size)
     if not worker_frames or min(worker_frames) < 1:
         raise UsageError(f"every worker share needs frames, got {list(worker_frames)}")
-    workers = len(worker_frames)
-    if repeat:
-        counts, rotation = batches_per_worker(samples // batch_size, [None] * workers)
-        starts = [_walk(count * batch_size, [lengths[w] for lengths, _ in remainders],
-                        worker_frames[w]) for w, count in enumerate(counts)]
-        return ResumePositions(tuple(epoch + passed for passed, _ in starts),
-                               tuple(offset for _, offset in starts), (None,) * workers, rotation)
-    # Each plan: every worker's anchors and the rank's batches in an epoch; the last repeats.
+    # One plan per epoch from ``epoch`` on: each worker's anchors and the rank's batches. The
+    # rests of the epochs in progress come first; the ordinary plan, last, holds for every later
+    # epoch.
     plans = [*remainders, (worker_frames, rank_batches)]
+    place = _endless_positions if repeat else _finite_positions
+    return place(plans, batch_size, epoch, samples // batch_size)
+
+
+def _endless_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
+    """With repeat, each worker goes on through its own plans after its turns of ``batches``."""
+    *rests, (frames, _) = plans
+    counts, rotation = batches_per_worker(batches, [None] * len(frames))
+    starts = [_walk(count * batch_size, [lengths[w] for lengths, _ in rests], frames[w])
+              for w, count in enumerate(counts)]
+    return ResumePositions(tuple(epoch + passed for passed, _ in starts),
+                           tuple(offset for _, offset in starts), (None,) * len(frames), rotation)
+
+
+def _finite_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
+    """Without repeat, the rank passes whole epochs of batches; its workers take turns in the
+    epoch reached, each stopping where its turns in that epoch end."""
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
     if not 1 <= per_epoch[-1] <= sum(limits[-1]):
-        raise UsageError(f"rank_batches {rank_batches} is not in [1, {sum(limits[-1])}]")
-    passed, batches = _walk(samples // batch_size, per_epoch[:-1], per_epoch[-1])
-    plan = min(passed, len(remainders))
+        raise UsageError(f"rank_batches {per_epoch[-1]} is not in [1, {sum(limits[-1])}]")
+    passed, batches = _walk(batches, per_epoch[:-1], per_epoch[-1])
+    plan = min(passed, len(plans) - 1)
     counts, rotation = batches_per_worker(batches, limits[plan])
     ends, _ = batches_per_worker(per_epoch[plan], limits[plan])
     frames = plans[plan][0]
     return ResumePositions(
-        epochs=(epoch + passed,) * workers,
+        epochs=(epoch + passed,) * len(frames),
         offsets=tuple(min(c * batch_size, f) for c, f in zip(counts, frames, strict=True)),
         stops=tuple(min(c * batch_size, f) for c, f in zip(ends, frames, strict=True)),
         rotation=rotation)
@@ -255,15 +268,18 @@ class _Epoch:
 class Course:
     """Every rank's and worker's plans of the selected ``episodes`` (``frames`` each) under
     ``setup``: the rest of the epochs in progress, then ordinary epochs (SPEC §3.9, Plans;
-    ShardingError for an empty ordinary share)."""
+    ShardingError for an empty ordinary share). ``limits`` are one worker's (SPEC §2.3), with
+    ``decoder_cache`` and ``cameras``, which do not change the order."""
 
     def __init__(self, setup: ResumeSetup, episodes: Sequence[int], frames: Sequence[int],
-                 delivered: Delivered) -> None:
+                 delivered: Delivered, *, decoder_cache: int | None = None,
+                 cameras: int = 0) -> None:
         self.setup, self.episodes, self.delivered = setup, list(episodes), delivered
         self._index = {e: i for i, e in enumerate(self.episodes)}
         self._frames = np.asarray(frames, dtype=np.int64)
-        self._limits = split_limits(setup.num_workers, pool_size=setup.pool_size,
-                                    byte_budget=setup.byte_budget, decoder_cache=None, cameras=0)
+        self.limits = split_limits(setup.num_workers, pool_size=setup.pool_size,
+                                   byte_budget=setup.byte_budget, decoder_cache=decoder_cache,
+                                   cameras=cameras)
         self._ordinary = self._plan(np.zeros_like(self._frames))
         self._open = [self._plan(counts) for counts in delivered.counts]
 
@@ -271,13 +287,11 @@ class Course:
         setup, episodes = self.setup, self.episodes
         counts = (self._frames - delivered).tolist()  # frames the epoch plans, per episode
         left = dict(zip(episodes, counts, strict=True))
-        ordinary = not delivered.any()  # then an empty share is a ShardingError saying what to use
-        shares = []
-        for rank, ids in enumerate(lpt_partition(episodes, counts, setup.world_size)):
-            if ordinary and not ids:
-                rank_share(episodes, counts, rank, setup.world_size)
-            split = worker_shares if ordinary else lpt_partition
-            shares.append(split(ids, [left[e] for e in ids], setup.num_workers))
+        # An ordinary epoch refuses an empty share (ShardingError); the rest of one may have any.
+        ordinary = not delivered.any()
+        ranks = (rank_shares if ordinary else lpt_partition)(episodes, counts, setup.world_size)
+        split = worker_shares if ordinary else lpt_partition
+        shares = [split(ids, [left[e] for e in ids], setup.num_workers) for ids in ranks]
         lengths = [[sum(left[e] for e in part) for part in parts] for parts in shares]
         batches = None if setup.repeat else epoch_batches(lengths, setup.batch_size)
         return _Epoch(delivered, shares, lengths, batches)
@@ -287,9 +301,19 @@ class Course:
         return self._open[i] if 0 <= i < len(self._open) else self._ordinary
 
     def episodes_from(self, rank: int, worker: int, epoch: int) -> list[int]:
-        """The episodes logical worker ``worker`` of ``rank`` plans from ``epoch`` on, by id."""
-        plans = [*self._open[max(0, epoch - self.delivered.first):], self._ordinary]
+        """The episodes logical worker ``worker`` of ``rank`` plans from ``epoch`` on (in
+        ``epoch`` only without repeat), by id."""
+        i = max(0, epoch - self.delivered.first)
+        plans = [*self._open[i:], self._ordinary] if self.setup.repeat else [self._epoch(epoch)]
         return sorted(set().union(*(plan.shares[rank][worker] for plan in plans)))
+
+    def worker_plan(self, rank: int, worker: int, samples: int) -> WorkerPlan:
+        """What DataLoader worker ``worker`` of ``rank`` plays after ``samples`` (SPEC §3.6)."""
+        start = self.positions(rank, samples)
+        logical = (worker + start.rotation) % self.setup.num_workers
+        epoch = start.epochs[logical]
+        return WorkerPlan(self, rank, logical, epoch, start.offsets[logical],
+                          start.stops[logical], self.episodes_from(rank, logical, epoch))
 
     def positions(self, rank: int, samples: int) -> ResumePositions:
         """Where each logical worker of ``rank`` starts after ``samples`` with this topology."""
@@ -305,10 +329,10 @@ class Course:
         plan = self._epoch(epoch)
         share = plan.shares[rank][worker]
         at = [self._index[e] for e in share]
-        budget = None if byte_sizes is None else self._limits.byte_budget
+        budget = None if byte_sizes is None else self.limits.byte_budget
         return Planner(
             share, self._frames[at].tolist(), seed=self.setup.seed, epoch=epoch, rank=rank,
-            worker=worker, strategy=self.setup.strategy, pool_size=self._limits.pool_size,
+            worker=worker, strategy=self.setup.strategy, pool_size=self.limits.pool_size,
             byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
             byte_budget=budget, delivered=plan.delivered[at].tolist())
 
@@ -333,6 +357,28 @@ class Course:
         while counts and not counts[-1].any():
             counts.pop()
         return Delivered(first, tuple(counts))
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What one DataLoader worker plays: logical worker ``worker`` of ``rank`` in ``course``,
+    from anchor ``offset`` of ``epoch`` to anchor ``stop`` (None: never) of each epoch."""
+
+    course: Course
+    rank: int
+    worker: int
+    epoch: int
+    offset: int
+    stop: int | None
+    episodes: list[int]  # every episode its plans hold
+
+    def runs(self, byte_sizes: Mapping[int, int] | None
+             ) -> Iterator[tuple[Planner, int, int | None]]:
+        """``(planner, offset, stop)`` of each epoch it plays: ``epoch``, then on with repeat."""
+        epochs = itertools.count(self.epoch) if self.course.setup.repeat else [self.epoch]
+        for epoch in epochs:
+            planner = self.course.planner(self.rank, self.worker, epoch, byte_sizes)
+            yield planner, self.offset if epoch == self.epoch else 0, self.stop
 
 
 def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[int],

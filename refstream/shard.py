@@ -2,7 +2,8 @@
 
 Use::
 
-    share = rank_share(ids, frames, rank, world_size)           # this rank's episodes
+    ranks = rank_shares(ids, frames, world_size)                # every rank's episodes
+    share = rank_share(ids, frames, rank, world_size)           # this rank's: ranks[rank]
     parts = worker_shares(share, share_frames, num_workers)     # part w: logical worker w's
     limits = split_limits(num_workers, pool_size=…, byte_budget=…, decoder_cache=…, cameras=…)
 
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 from refstream.errors import ShardingError, UsageError, check_at_least, is_int
 
-__all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_share",
-           "worker_shares", "split_limits", "ceil_div"]
+__all__ = ["WorkerLimits", "episode_ids", "check_episodes", "lpt_partition", "rank_shares",
+           "rank_share", "check_rank", "worker_shares", "split_limits", "ceil_div"]
 
 # Episodes resident per rank when the user sets no pool size (LeRobot's streaming default).
 DEFAULT_RANK_POOL_SIZE = 32
@@ -79,17 +80,33 @@ def lpt_partition(ids: Sequence[int], frames: Sequence[int], parts: int) -> list
     return shards
 
 
+def rank_shares(ids: Sequence[int], frames: Sequence[int], world_size: int) -> list[list[int]]:
+    """Every rank's episodes, in rank order (SPEC §2.2); ShardingError if one has none."""
+    ranks = lpt_partition(ids, frames, world_size)
+    _check_owns_episodes(ranks, world_size - 1)  # LPT fills the parts in order: the last one last
+    return ranks
+
+
 def rank_share(ids: Sequence[int], frames: Sequence[int], rank: int, world_size: int) -> list[int]:
     """The episodes rank ``rank`` of ``world_size`` streams (SPEC §2.2)."""
+    check_rank(rank, world_size)
+    ranks = lpt_partition(ids, frames, world_size)
+    _check_owns_episodes(ranks, rank)
+    return ranks[rank]
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """UsageError unless ``rank`` is one of ``world_size`` ranks (SPEC §2.2)."""
     if not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is not in a world of size {world_size}")
-    share = lpt_partition(ids, frames, world_size)[rank]
-    if not share:
-        with_frames = sum(1 for f in frames if f > 0)
-        raise ShardingError(f"rank {rank} of world size {world_size} owns no episodes: the "
+
+
+def _check_owns_episodes(ranks: list[list[int]], rank: int) -> None:
+    if not ranks[rank]:
+        with_frames = sum(map(len, ranks))
+        raise ShardingError(f"rank {rank} of world size {len(ranks)} owns no episodes: the "
                             f"selection has {with_frames} episodes with frames; use a world "
                             f"size of at most {with_frames}")
-    return share
 
 
 def worker_shares(ids: Sequence[int], frames: Sequence[int], num_workers: int) -> list[list[int]]:

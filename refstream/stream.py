@@ -19,6 +19,12 @@ B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` befor
 ``iter(loader)`` continues from it, also with another world size, worker count or batch size.
 Distributed runs: SPEC §9.5. ``__init__`` (the main process) reads the metadata and makes sure
 the sidecar index exists; the position lives in shared memory, so persistent workers see it.
+
+Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, so that a
+DataLoader batching ready batches raises UsageError instead of stacking them into wrong ones.
+torch documents that map as the way to extend ``default_collate`` but exports it only from the
+private ``torch.utils.data._utils.collate``: if torch moves it, this import fails; if torch stops
+reading it, ``tests/test_batches.py::test_a_dataloader_batching_ready_batches_is_refused`` fails.
 """
 
 
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,10 +41,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from refstream import errors, resume, shard, sidecar
-from refstream.errors import EpisodeTooLarge, IterableOnly, TopologyChanged, UsageError
+from refstream.budget import check_episode_size
+from refstream.errors import IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
-from refstream.planner import STRATEGIES, Planner
+from refstream.planner import STRATEGIES
 from refstream.rng import MASK64, resolve_seed
 from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
@@ -51,10 +57,11 @@ from refstream.worker import Batch, WorkerConfig, WorkerStream, plan_spans
 __all__ = ["StreamingDataset", "Batch", "GIB"]
 
 GIB = 1024**3  # byte_budget_gb is in GiB, like LeRobot's int(gb · 1024³)
-# Layout of the shared position tensor (int64): where every new iterator starts, for how many
-# DataLoader workers (0: any, no resume), with which seed (its 64 bits), and the digest of the
-# earlier topologies it resumes after (0: none); then the last iterator started since it was
-# set and their count in its _LOW bits (0: none; see _enter).
+# The position, a shared int64 tensor of six words: the epoch and samples every new iterator
+# starts from; the DataLoader worker count a loaded checkpoint is for (0: any); the seed's 64
+# bits; the digest of the earlier topologies the checkpoint resumes after (0: none); and the
+# iterators started since the position was set: the last one's key in the high 32 bits of _PASS,
+# their count in its low 32 bits (_LOW).
 _EPOCH, _SAMPLES, _RESUME_WORKERS, _SEED, _HISTORY, _PASS = range(6)
 _LOW = (1 << 32) - 1
 
@@ -64,9 +71,7 @@ def _refuse_batches(batch, *, collate_fn_map=None):
                      "batch_size=None, or let the DataLoader batch samples without batched")
 
 
-# The DataLoader's default collation (torch documents extending it through this map) refuses
-# batches of ready batches, which would otherwise stack silently into wrong ones.
-default_collate_fn_map[Batch] = _refuse_batches
+default_collate_fn_map[Batch] = _refuse_batches  # see the module docstring
 
 
 class StreamingDataset(IterableDataset):
@@ -93,14 +98,10 @@ class StreamingDataset(IterableDataset):
                  num_workers: int | None = None,
                  sidecar_lock_timeout_s: float | None = None) -> None:
         super().__init__()
-        if sampling_strategy not in STRATEGIES:
-            raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got "
-                             f"{sampling_strategy!r}")
-        if not byte_budget_gb > 0:
-            raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
-        errors.check_at_least(1, decode_threads=decode_threads,
-                              decoded_queue_size=decoded_queue_size, batch_size=batch_size)
+        # 1. The arguments, checked and kept.
+        _check_settings(sampling_strategy, byte_budget_gb, batch_size, batched,
+                        prefetch_episodes=prefetch_episodes, num_workers=num_workers,
+                        decode_threads=decode_threads, decoded_queue_size=decoded_queue_size)
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -110,8 +111,6 @@ class StreamingDataset(IterableDataset):
         self.repeat = repeat
         self.batch_size = batch_size
         self.batched = batched
-        if batched and not batch_size:
-            raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
         self.num_workers = num_workers
         self.sidecar_lock_timeout_s = lock_timeout(sidecar_lock_timeout_s)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
@@ -119,24 +118,18 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"world_size {self.world_size} without repeat: pass batch_size so "
                              "every rank stops after the same number of batches, or repeat=True")
 
+        # 2. I/O: the metadata, the selection and its shares, the video index (SPEC §9.2).
         with contextlib.closing(open_source(self.root)) as source:
             self.meta: DatasetMeta = load_meta(source)
             self.episodes = select_episodes(self.meta, episodes)
             self._frames = [self.meta.frames(e) for e in self.episodes]
             windows = make_windows(delta_timestamps, self.meta.fps, self.tolerance_s,
                                    feature_keys=self.meta.features)
-            share = shard.rank_share(self.episodes, self._frames, self.rank, self.world_size)
-            parts = shard.lpt_partition(self.episodes, self._frames, self.world_size)
-            self._most_workers = max(1, min(map(len, parts)))  # SPEC §2.2, Idle workers
-            self.video_index: VideoIndex | None = None
-            if self.meta.camera_keys:
-                self.video_index = ensure_index(source, video_relpaths(self.meta),
-                                                lock_timeout_s=self.sidecar_lock_timeout_s)
-                for relpath, record in self.video_index.records.items():  # before any worker
-                    index = sidecar.read_record(record.path, record.size, record.identity, relpath)
-                    check_frame_rate(index.pts, index.timescale, self.meta.fps, relpath)
+            ranks = shard.rank_shares(self.episodes, self._frames, self.world_size)
+            self.video_index = _video_index(source, self.meta, self.sidecar_lock_timeout_s)
             # Workers open their own sources; a Hub branch stays pinned to the commit seen here.
             worker_root = pinned_root(self.root, source.identity(INFO_PATH))
+        # 3. What every worker receives, then what the dataset is and where it starts.
         self.config = WorkerConfig(
             meta=self.meta, frame_counts=dict(zip(self.episodes, self._frames, strict=True)),
             windows=windows, tolerance_s=self.tolerance_s,
@@ -148,10 +141,11 @@ class StreamingDataset(IterableDataset):
             # The rank's byte budget; None without cameras (nothing to reserve).
             byte_budget=int(byte_budget_gb * GIB) if self.meta.camera_keys else None)
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
-        meta = self.meta
-        self.fps, self.features, self.camera_keys = meta.fps, meta.features, meta.camera_keys
+        self.fps, self.features = self.meta.fps, self.meta.features
+        self.camera_keys = self.meta.camera_keys
         self.num_episodes, self.num_frames = len(self.episodes), sum(self._frames)
-        self.rank_frames = sum(self.config.frame_counts[e] for e in share)
+        self.rank_frames = sum(self.config.frame_counts[e] for e in ranks[self.rank])
+        self._most_workers = min(map(len, ranks))  # SPEC §2.2, Idle workers
         # The position (see _EPOCH…). set_epoch and load_state_dict keep the earlier topologies
         # of a resume and what they delivered (workers get them).
         self._position = torch.zeros(6, dtype=torch.int64).share_memory_()
@@ -170,8 +164,8 @@ class StreamingDataset(IterableDataset):
         if self.num_workers is None:
             raise IterableOnly("len() counts batches, which depend on the DataLoader's worker "
                                "count (each one's last may be short): give num_workers=N")
-        course = resume.Course(self._setup(self.batch_size, max(1, self.num_workers)),
-                               self.episodes, self._frames, resume.Delivered(0))
+        course = self._course(self._setup(self.batch_size, max(1, self.num_workers)),
+                              resume.Delivered(0))
         stops = course.positions(self.rank, 0).stops
         if self.repeat:  # endless: an epoch is every frame of each worker's share
             stops = [sum(self.config.frame_counts[e] for e in course.episodes_from(self.rank, w, 0))
@@ -209,8 +203,9 @@ class StreamingDataset(IterableDataset):
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
         the position was last set (construction, ``set_epoch``, ``load_state_dict``), with a
         DataLoader of ``num_workers`` workers (SPEC §9.4)."""
-        epoch, base = int(self._position[_EPOCH]), int(self._position[_SAMPLES])
-        course, start = self._start(batch_size, max(1, num_workers))
+        epoch = int(self._position[_EPOCH])
+        course, base = self._start(batch_size, max(1, num_workers))
+        start = course.positions(self.rank, base)
         end = course.positions(self.rank, base + samples)  # ResumeError: not whole batches
         started = max(1, int(self._position[_PASS]) & _LOW)  # iterators since the position
         past = (end.epochs[0] - start.epochs[0], any(end.offsets)) > (started, False)
@@ -242,16 +237,18 @@ class StreamingDataset(IterableDataset):
             _, sizes = plan_spans(self.config, self.episodes, MappedIndex(self.video_index))
             self._delivered = resume.delivered_by(resumed, self.episodes, self._frames, sizes)
         self._set_position(resumed.epoch, resumed.samples, workers)
-        self._resumes_into = min(self._start(self.batch_size, workers)[1].epochs)
+        course, samples = self._start(self.batch_size, workers)
+        self._resumes_into = min(course.positions(self.rank, samples).epochs)
 
-    def _start(self, batch_size: int, num_workers: int
-               ) -> tuple[resume.Course, resume.ResumePositions]:
-        """The plans from the position on, and where each logical worker starts in them."""
+    def _start(self, batch_size: int, num_workers: int) -> tuple[resume.Course, int]:
+        """The plans from the position on, and the samples of the rank consumed in them."""
         epoch, samples, _, seed, history, _ = (int(v) for v in self._position)
         delivered = self._delivered if history else resume.Delivered(epoch)
-        course = resume.Course(self._setup(batch_size, num_workers, seed & MASK64), self.episodes,
-                               self._frames, delivered)
-        return course, course.positions(self.rank, samples)
+        return self._course(self._setup(batch_size, num_workers, seed & MASK64), delivered), samples
+
+    def _course(self, setup: resume.ResumeSetup, delivered: resume.Delivered) -> resume.Course:
+        return resume.Course(setup, self.episodes, self._frames, delivered,
+                             decoder_cache=self.config.decoder_cache, cameras=len(self.camera_keys))
 
     def _setup(self, batch_size: int, num_workers: int,
                seed: int | None = None) -> resume.ResumeSetup:
@@ -271,6 +268,17 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         num_workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        self._check_loader(num_workers, info)
+        plan = self._worker_plan(worker, num_workers, later=self._enter(info))
+        if plan is None:  # an idle worker: the DataLoader goes on with the others
+            return
+        limits = plan.course.limits
+        with contextlib.closing(WorkerStream(self.config, plan.episodes, limits)) as stream:
+            self._check_episode_sizes(plan, stream.byte_sizes)
+            yield from stream.stream(plan.runs(stream.byte_sizes), in_worker=info is not None)
+
+    def _check_loader(self, num_workers: int, info) -> None:
+        """The DataLoader's worker count against the dataset's and a loaded checkpoint's."""
         _, _, resume_workers, _, history, _ = (int(v) for v in self._position)
         if history and history != _digest(self._history):
             raise UsageError("a checkpoint of another topology was loaded after the persistent "
@@ -283,51 +291,44 @@ class StreamingDataset(IterableDataset):
             raise UsageError(f"the dataset was made with num_workers={self.num_workers}, the "
                              f"DataLoader with {0 if info is None else num_workers}: give both "
                              "the same count")
-        later = self._enter(info)
-        course, positions = self._start(self.batch_size or 1, num_workers)
-        if later and not self.repeat:  # the next epoch, from its beginning (SPEC §9.4)
-            delivered = resume.Delivered(min(positions.epochs) + later)
-            course = resume.Course(course.setup, self.episodes, self._frames, delivered)
-            positions = course.positions(self.rank, 0)
-        playing = course.setup.num_workers
-        if worker >= playing:  # idle: the DataLoader goes on with the others
-            if worker == playing and self.num_workers is None:
-                _warn_idle(num_workers, playing)
-            return
-        logical = (worker + positions.rotation) % playing
-        limits = self.config.limits(playing)
-        epoch, offset = positions.epochs[logical], positions.offsets[logical]
-        episodes = course.episodes_from(self.rank, logical, epoch)
 
-        with contextlib.closing(WorkerStream(self.config, episodes, limits)) as stream:
-            runs = ((self._planner(course, logical, at, stream.byte_sizes, limits.byte_budget),
-                     offset if at == epoch else 0, positions.stops[logical])
-                    for at in (itertools.count(epoch) if self.repeat else [epoch]))
-            yield from stream.stream(runs, in_worker=info is not None)
+    def _worker_plan(self, worker: int, num_workers: int, later: int) -> resume.WorkerPlan | None:
+        """What DataLoader worker ``worker`` plays, None if it is idle: from the position, or,
+        ``later`` iterators after the one that started there, the next epoch from its beginning
+        (SPEC §9.4)."""
+        course, samples = self._start(self.batch_size or 1, num_workers)
+        if later and not self.repeat:
+            epoch = min(course.positions(self.rank, samples).epochs) + later
+            course, samples = self._course(course.setup, resume.Delivered(epoch)), 0
+        playing = course.setup.num_workers
+        if worker == playing and self.num_workers is None:
+            _warn_idle(num_workers, playing)
+        return course.worker_plan(self.rank, worker, samples) if worker < playing else None
+
+    def _check_episode_sizes(self, plan: resume.WorkerPlan, byte_sizes: dict[int, int]) -> None:
+        """EpisodeTooLarge, saying what to change, when an episode exceeds a worker's budget."""
+        budget, workers = plan.course.limits.byte_budget, plan.course.setup.num_workers
+        if budget is None:
+            return
+        episode = max(byte_sizes, key=byte_sizes.get)
+        need = byte_sizes[episode]
+        check_episode_size(episode, need, budget, (
+            f": each of the {workers} DataLoader worker(s) gets byte_budget_gb="
+            f"{self.config.byte_budget / GIB:.4g} / {workers} = {budget:,} bytes; raise "
+            f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"))
 
     def _enter(self, info) -> int:
-        """How many iterators started before this one since the position was set; the workers
-        of one DataLoader iterator share its base seed and (persistent) their iterator count."""
+        """How many iterators started before this one since the position was set. Every worker
+        of one DataLoader iterator computes the same key (from the iterator's base seed and, for
+        persistent workers, their own iterator count); the first to arrive counts the iterator."""
         self._iterators += 1
         base = os.getpid() if info is None else info.seed - info.id
-        key = hash((base, self._iterators)) % (1 << 30) + 1
+        key = hash((base, self._iterators)) % (1 << 30) + 1  # never 0, the word's initial key
         word = int(self._position[_PASS])
-        if word >> 32 == key:
+        if word >> 32 == key:  # another worker of this iterator counted it
             return (word & _LOW) - 1
         self._position[_PASS] = key << 32 | (word & _LOW) + 1
         return word & _LOW
-
-    def _planner(self, course: resume.Course, logical: int, epoch: int,
-                 byte_sizes: dict[int, int] | None, worker_budget: int | None) -> Planner:
-        try:
-            return course.planner(self.rank, logical, epoch, byte_sizes)
-        except EpisodeTooLarge as exc:
-            workers, gib = course.setup.num_workers, course.setup.byte_budget / GIB
-            need = max(byte_sizes.values())
-            raise EpisodeTooLarge(f"{exc}: each of the {workers} DataLoader worker(s) gets "
-                                  f"byte_budget_gb={gib:.4g} / {workers} = "
-                                  f"{worker_budget:,} bytes; raise byte_budget_gb to at least "
-                                  f"{need * workers / GIB:.4g} or use fewer workers") from exc
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -347,12 +348,40 @@ def _warn_idle(num_workers: int, playing: int) -> None:
                   "gives the same batches)", stacklevel=3)
 
 
+def _check_settings(strategy: str, byte_budget_gb: float, batch_size: int | None, batched: bool,
+                    **counts: int | None) -> None:
+    if strategy not in STRATEGIES:
+        raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not byte_budget_gb > 0:
+        raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
+    errors.check_at_least(0, prefetch_episodes=counts["prefetch_episodes"],
+                          num_workers=counts["num_workers"])
+    errors.check_at_least(1, decode_threads=counts["decode_threads"],
+                          decoded_queue_size=counts["decoded_queue_size"], batch_size=batch_size)
+    if batched and not batch_size:
+        raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
+
+
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Arguments, else as SPEC §9.5 says (shard.rank_share checks them)."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        found = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
+    """Arguments, else as SPEC §9.5 says; UsageError unless the rank is in the world."""
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
+    shard.check_rank(rank, world_size)
+    return rank, world_size
+
+
+def _video_index(source, meta: DatasetMeta, lock_timeout_s: float) -> VideoIndex | None:
+    """The video index (SPEC §10.6), every video's frame rate checked before any worker starts;
+    None without cameras."""
+    if not meta.camera_keys:
+        return None
+    index = ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s)
+    for relpath, record in index.records.items():
+        samples = sidecar.read_record(record.path, record.size, record.identity, relpath)
+        check_frame_rate(samples.pts, samples.timescale, meta.fps, relpath)
+    return index

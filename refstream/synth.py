@@ -7,15 +7,9 @@ request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), w
     pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 
-One function per rule, called by spans, the worker and the doctor alike: :func:`serving_samples`,
-whether a frame serves a requested time (SPEC §7.1); :func:`served`, the refusal of a time that
-nothing serves; :func:`select_frames`, the choice among the frames that serve it (§10.8);
-:func:`check_frame_rate`, whether a file's frames are the ``1 / fps`` apart that the nominal
-request times (:func:`episode_spans` without timestamps) assume (§9.2).
-
-It imports no metadata reader: of a ``meta`` (:class:`refstream.meta.DatasetMeta`) it reads
-``fps``, ``camera_keys``, ``row``, ``frames``, ``data_relpath``, ``video_relpath``,
-``video_from_s`` and ``video_to_s``.
+Each rule is one function that spans, the worker and the doctor call: :func:`serving_samples`
+(SPEC §7.1), :func:`served`, :func:`select_frames` (§10.8), :func:`check_frame_rate` (§9.2).
+It imports no metadata reader: ``meta`` is a :class:`refstream.meta.DatasetMeta`.
 """
 
 from __future__ import annotations
@@ -108,19 +102,17 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 
 def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath: str) -> float:
-    """The median spacing (ticks) of the presentation times of the first
-    :data:`FRAME_RATE_SAMPLES` samples of file ``relpath``; ``MalformedDataset`` unless it is
-    within one tick of ``timescale / fps`` (SPEC §9.2). NaN for fewer than two samples."""
+    """The median spacing (ticks, NaN under two samples) of the first :data:`FRAME_RATE_SAMPLES`
+    pts; ``MalformedDataset`` unless within one tick of ``timescale / fps`` (SPEC §9.2)."""
     pts = np.sort(np.asarray(pts_ticks[:FRAME_RATE_SAMPLES]).astype(np.int64))
     spacing = float(np.median(np.diff(pts))) if len(pts) > 1 else math.nan
     if not abs(spacing - timescale / fps) >= 1:  # within a tick, or nothing to compare
         return spacing
     rate = timescale / spacing if spacing > 0 else math.inf
     raise MalformedDataset(
-        f"{relpath}: the video's frame times disagree with meta/info.json's fps {fps:g}: its "
-        f"frames are {spacing / timescale:.6g} s apart ({rate:.6g} fps), fps {fps:g} means "
-        f"{1 / fps:.6g} s; set fps in meta/info.json to the videos' frame rate, or re-encode "
-        f"the videos at {fps:g} fps")
+        f"{relpath}: the video's frame times disagree with meta/info.json's fps {fps:g}: frames "
+        f"{spacing / timescale:.6g} s apart ({rate:.6g} fps); set fps to the videos' frame rate, "
+        f"or re-encode the videos at {fps:g} fps")
 
 
 # --- spans -----------------------------------------------------------------------------------
@@ -135,10 +127,6 @@ class Span:
     byte_offset: int  # the one byte range to fetch from the source file
     byte_length: int
     start_pts: int  # ticks: pts of the span's first presented sample (local time 0) = pts[lo]
-
-    def covers(self, other: Span) -> bool:
-        """True when every sample of ``other`` is a sample of this span."""
-        return self.sample_lo <= other.sample_lo and other.sample_hi <= self.sample_hi
 
 
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
@@ -242,12 +230,11 @@ def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Spa
     chosen = {}
     for camera, (index, span) in planned.items():
         times_s, needed = _camera_span(meta, episode, camera, index, tolerance_s, timestamps_s)
-        if not span.covers(needed):
+        if not (span.sample_lo <= needed.sample_lo and needed.sample_hi <= span.sample_hi):
             raise TableError(
                 f"{meta.data_relpath(episode)}: episode {episode}: its timestamps need samples "
-                f"{needed.sample_lo}..{needed.sample_hi} of {index.path}, outside samples "
-                f"{span.sample_lo}..{span.sample_hi} planned from timestamps frame_index / fps "
-                f"({camera})")
+                f"{needed.sample_lo}..{needed.sample_hi} of {index.path} ({camera}), outside "
+                f"samples {span.sample_lo}..{span.sample_hi} planned from frame_index / fps")
         pts = index.pts[span.sample_lo : span.sample_hi + 1].astype(np.int64)
         chosen[camera] = pts[select_frames(pts, index.timescale, times_s, tolerance_s,
                                            f"episode {episode} camera {camera}")]

@@ -11,6 +11,12 @@ the frame serving each row. Samples are made ``config.group`` at a time, their f
 the decode threads into the group's tensors. A ready :class:`Batch`'s camera tensors are shared
 memory (:class:`SharedBuffers`): they cross to the training process as handles and are written
 again once that process dropped them.
+
+:class:`SharedBuffers` allocates in shared memory with torch's private
+``UntypedStorage._new_shared``, as torch's own ``default_collate`` does: the public
+``share_memory_()`` copies a new tensor there, about 3.5 times as slow (65 ms more for a 73 MiB
+buffer). If torch renames it, the first ready batch raises AttributeError, which every test of
+ready batches (``tests/test_batches.py``) shows.
 """
 
 from __future__ import annotations
@@ -70,15 +76,9 @@ class WorkerConfig:
     prefetch_episodes: int
     group: int  # samples made and decoded together: a batch when batched
     batched: bool
-    pool_size: int | None  # per worker, the per-rank limits below (see limits)
+    pool_size: int | None  # per worker; the two below per rank (SPEC §2.3)
     byte_budget: int | None
     decoder_cache: int | None
-
-    def limits(self, num_workers: int) -> shard.WorkerLimits:
-        """One of ``num_workers`` workers' limits (SPEC §2.3)."""
-        return shard.split_limits(num_workers, pool_size=self.pool_size,
-                                  byte_budget=self.byte_budget, decoder_cache=self.decoder_cache,
-                                  cameras=len(self.meta.camera_keys))
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class _Group:
     """Samples made together: their values, frame requests not yet decoded, frames' tensors."""
 
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
-    leases: dict[str, tuple]  # camera -> (flags, cell) of a shared tensor
+    in_use: dict[str, tuple]  # camera -> its shared tensor's in-use flag (see SharedBuffers)
     anchors: list[tuple[int, int]] = field(default_factory=list)
     values: dict[str, list] = field(default_factory=lambda: defaultdict(list))  # key -> values
     requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
@@ -108,26 +108,26 @@ class _Group:
 class Batch(dict):
     """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
     default collation stacks them. Pickled in a worker, it carries its small tensors inside and
-    handles to its shared camera tensors (``leases``), each freed once the receiver drops it."""
+    handles to its shared camera tensors, whose ``in_use`` flags the receiver clears."""
 
-    __slots__ = ("leases",)
+    __slots__ = ("in_use",)
 
-    def __init__(self, values=(), leases: dict | None = None) -> None:
+    def __init__(self, values=(), in_use: dict | None = None) -> None:
         super().__init__(values)
-        self.leases = leases or {}
+        self.in_use = in_use or {}
 
     def __copy__(self) -> Batch:  # the DataLoader's default_convert and pin_memory copy it
-        return Batch(self, self.leases)
+        return Batch(self, self.in_use)
 
     def __reduce__(self):
         return _received, ({key: value.numpy() if isinstance(value, torch.Tensor)
                             and value.nbytes <= INLINE_BYTES else value
-                            for key, value in self.items()}, self.leases)
+                            for key, value in self.items()}, self.in_use)
 
 
-def _received(values: dict, leases: dict) -> Batch:
-    """A batch where it is used: each leased tensor clears its buffer's flag once dropped."""
-    for key, (flags, cell) in leases.items():
+def _received(values: dict, in_use: dict) -> Batch:
+    """A batch where it is used: each shared tensor clears its in-use flag once dropped."""
+    for key, (flags, cell) in in_use.items():
         values[key] = np.asarray(values[key])  # a tensor's memory, or an array sent inline
         weakref.finalize(values[key], flags.__setitem__, cell, 0).atexit = False
     return Batch({key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
@@ -135,8 +135,8 @@ def _received(values: dict, leases: dict) -> Batch:
 
 
 class SharedBuffers:
-    """A worker's camera tensors in shared memory, each with a flag (shared too) set while a
-    batch holding it is away, cleared by the process that dropped it."""
+    """A worker's camera tensors in shared memory, each with an *in-use flag* ``(flags, cell)``
+    (shared too): set while a batch holding it is away, cleared by the process that dropped it."""
 
     def __init__(self) -> None:
         self.flags = torch.zeros(MAX_SHARED_BUFFERS, dtype=torch.uint8).share_memory_()
@@ -144,12 +144,11 @@ class SharedBuffers:
         self._tensors: list[torch.Tensor] = []
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
-        """A free tensor and its lease ``(flags, cell)``; no lease: one not used again."""
+        """A free tensor and its in-use flag; none for a tensor not used again."""
         for cell, tensor in enumerate(self._tensors):
             if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
                 break
         else:
-            # Made shared, not copied there (share_memory_): torch's default_collate does so too.
             storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel() * dtype.itemsize)
             tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
             if len(self._tensors) == MAX_SHARED_BUFFERS:
@@ -227,15 +226,15 @@ class WorkerStream:
 
     def _group(self, size: int, shared: bool) -> _Group:
         """An empty group whose frames go to new tensors, or reused shared ones."""
-        frames, leases = {}, {}
+        frames, in_use = {}, {}
         for camera, (height, width) in self.frame_sizes.items():
             shape = (size, len(self.windows.get(camera, [0])), 3, height, width)
             if not shared:
                 frames[camera] = torch.empty(shape, dtype=self.config.dtype)
                 continue
-            frames[camera], lease = self.buffers.take(shape, self.config.dtype)
-            leases.update({camera: lease} if lease else {})
-        return _Group(frames, leases)
+            frames[camera], flag = self.buffers.take(shape, self.config.dtype)
+            in_use.update({camera: flag} if flag else {})
+        return _Group(frames, in_use)
 
     def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
         """The run's anchors in order, each after its episode's admission, and DECODE_FIRST
@@ -255,14 +254,15 @@ class WorkerStream:
             to_admit.extend(admitted)
             self.drained.update(drained)
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
-            self._start_fetch(episode)  # in the order anchors need them
+            self._start_fetch(episode, planner, (frame,))  # in the order anchors need them
             yield episode, frame
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
         """Gather and decode the group's new anchors (each decode thread the requests of its own
-        decoders, those gathered while a payload is awaited), then free the episodes they finish.
-        Decoded frames are kept for later anchors in what the reservations leave (SPEC §9.3)."""
+        decoders, those gathered while a payload is awaited), then free the episodes they finish,
+        then fetch the other residents and prefetch. The decoders may keep decoded frames that
+        later anchors request, in the bytes the budget has not reserved (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
@@ -289,8 +289,8 @@ class WorkerStream:
             self.budget.release(episode)
             self.budget.forget(episode)
         for episode in planner.resident:  # admitted, no anchor asked for them yet
-            self._start_fetch(episode)
-        self._prefetch(planner)  # after the group: the first waits for no frontier episode
+            self._start_fetch(episode, planner)
+        self._prefetch(planner)  # after the decode, so the first group waits for no prefetch
 
     def _gather(self, made: _Group, slot: int) -> None:
         """The row values, pad masks, task and frame requests of one anchor."""
@@ -343,7 +343,7 @@ class WorkerStream:
             return
         batch = {key: values[key] if isinstance(values[key], torch.Tensor)
                  else default_collate(values[key]) for key in self.keys}
-        yield Batch(batch, made.leases) if in_worker else _received(batch, made.leases)
+        yield Batch(batch, made.in_use) if in_worker else _received(batch, made.in_use)
 
     # --- admission, prefetch and release ------------------------------------------------------
 
@@ -358,25 +358,24 @@ class WorkerStream:
 
     def _prefetch(self, planner: Planner) -> None:
         """Reserve and fetch the planner's frontier episodes while they fit without evicting
-        anything."""
+        anything (SPEC §9.3)."""
         frontier = planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
                 continue
-            if self.budget.reserved_bytes + self.byte_sizes[episode] > self.budget.budget_bytes:
+            if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the frontier's order, retry after the next release
-            self.budget.try_reserve(episode, self.byte_sizes[episode])
-            self._start_fetch(episode)
-        # The budget evicts least recently used first: touch the frontier from its far end so
-        # an admission that must evict drops the prefetch needed last, not next.
-        for episode in reversed(frontier):
-            if self.budget.is_reserved(episode):
-                self.budget.try_reserve(episode, self.byte_sizes[episode])
+            self._start_fetch(episode, planner)
+        # An admission that must evict drops the least recently used prefetch: touched from the
+        # frontier's far end, that is the one needed last.
+        self.budget.touch(reversed(frontier))
 
-    def _start_fetch(self, episode: int) -> None:
-        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
+    def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
+        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once),
+        for its anchors ``drawn`` and to come."""
         if self.budget.claim_fetch(episode):
-            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode)
+            anchors = np.array([*drawn, *planner.frames_to_come(episode)], dtype=np.int64)
+            self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode, anchors)
 
     def _discard(self, episode: int) -> None:
         self.payloads.pop(episode, None)
@@ -385,8 +384,10 @@ class WorkerStream:
 
     # --- fetch threads ------------------------------------------------------------------------
 
-    def _fetch(self, episode: int) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
-        """An episode's rows (Parquet column -> one value per frame) and videos (by camera)."""
+    def _fetch(self, episode: int, anchors: np.ndarray
+               ) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
+        """An episode's rows (Parquet column -> one value per frame) and videos (by camera) for
+        its ``anchors`` still to come."""
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
@@ -394,14 +395,16 @@ class WorkerStream:
                 self.footers, first_index=int(self.meta.from_index[self.meta.row(episode)]))
             rows = {name: column_array(table[name], f"{relpath}: episode {episode}", name)
                     for name in self.columns}
-            return rows, (self._videos(episode, rows["timestamp"]) if self.cameras else {})
+            videos = self._videos(episode, rows["timestamp"], anchors) if self.cameras else {}
+            return rows, videos
         except FetchError as exc:
             # The source names the URL and byte range; only here is the episode known.
             raise type(exc)(f"episode {episode}: {exc}") from exc
         finally:
             self.budget.mark_fetched(episode)
 
-    def _videos(self, episode: int, timestamps: np.ndarray) -> dict[str, _Video]:
+    def _videos(self, episode: int, timestamps: np.ndarray,
+                anchors: np.ndarray) -> dict[str, _Video]:
         """Each camera's mini-MP4 and the frame serving each row, from the planned spans."""
         spans = self.spans[episode]
         chosen = synth.serving_pts(self.meta, episode, spans, self.config.tolerance_s, timestamps)
@@ -413,8 +416,7 @@ class WorkerStream:
             self.budget.mark_resident(episode, len(mp4))
             samples = slice(span.sample_lo, span.sample_hi + 1)
             keyframes = sample_index.pts[samples][sample_index.keyframe[samples]].astype(np.int64)
-            anchors = np.arange(len(timestamps))  # every row is an anchor of the epoch
-            requested = window_rows(self.windows.get(camera, [0]), anchors, len(anchors))[0]
+            requested = window_rows(self.windows.get(camera, [0]), anchors, len(timestamps))[0]
             served, counts = np.unique(chosen[camera][requested], return_counts=True)
             videos[camera] = _Video(mp4, span.start_pts, chosen[camera], sample_index.stsd,
                                     keyframes,

@@ -227,12 +227,12 @@ def test_a_held_batch_keeps_its_memory_and_a_dropped_one_is_reused(root):
     assert len(set(addresses)) <= 2 < len(addresses)  # dropped, then written again
 
 
-def test_a_lease_ends_when_the_receiving_process_drops_the_last_view():
+def test_an_in_use_flag_clears_when_the_receiving_process_drops_the_last_view():
     buffers = SharedBuffers()
-    tensor, lease = buffers.take((2, 3), torch.float32)
+    tensor, flag = buffers.take((2, 3), torch.float32)
     tensor.copy_(torch.arange(6.0).reshape(2, 3))
     # What the DataLoader's result queue does: pickle in the worker, unpickle in the trainer.
-    received = pickle.loads(ForkingPickler.dumps(Batch({"camera": tensor}, {"camera": lease})))
+    received = pickle.loads(ForkingPickler.dumps(Batch({"camera": tensor}, {"camera": flag})))
     assert torch.equal(received["camera"], torch.arange(6.0).reshape(2, 3))
     view = received["camera"][1:]
     del received
@@ -247,9 +247,9 @@ def test_a_lease_ends_when_the_receiving_process_drops_the_last_view():
 
 def test_small_values_cross_inside_the_pickle_and_camera_buffers_as_shared_memory():
     buffers = SharedBuffers()
-    camera, lease = buffers.take((2, 1 << 18), torch.float32)  # 2 MiB
+    camera, flag = buffers.take((2, 1 << 18), torch.float32)  # 2 MiB
     index = torch.arange(BATCH)
-    batch = Batch({"index": index, "camera": camera}, {"camera": lease})
+    batch = Batch({"index": index, "camera": camera}, {"camera": flag})
     received = pickle.loads(ForkingPickler.dumps(batch))  # as the DataLoader's queue does
     camera[0, 0], index[0] = 7.0, 99  # written after crossing
     assert received["camera"][0, 0] == 7.0  # the same memory

@@ -63,7 +63,7 @@ def test_reserve_counts_exact_sizes_and_refuses_too_large():
     assert budget.try_reserve(1, 30)
     assert budget.try_reserve(2, 70)
     assert budget.reserved_bytes == 100 and budget.snapshot().resident_bytes == 0
-    with pytest.raises(EpisodeTooLarge, match="episode 3: 101 bytes"):
+    with pytest.raises(EpisodeTooLarge, match="episode 3 needs 101 bytes"):
         budget.try_reserve(3, 101)
     # exactly the budget is allowed (once the room is free)
     budget.forget(1)
@@ -102,7 +102,7 @@ def test_full_budget_refuses_prefetch_while_fetch_in_flight_or_leased():
     budget.release(1)
     assert budget.try_reserve(2, 50)  # now 1 is fetched and unleased: evicted
     assert budget.take_evicted() == [1]
-    assert not budget.is_reserved(1) and budget.reserved_bytes == 50
+    assert 1 not in budget.lru_order() and budget.reserved_bytes == 50
 
 
 def test_eviction_is_lru_and_all_or_nothing():
@@ -118,6 +118,17 @@ def test_eviction_is_lru_and_all_or_nothing():
     assert not budget.try_reserve(5, 70)
     assert budget.take_evicted() == [] and budget.lru_order() == [3, 1, 4]
     assert budget.snapshot().resident_bytes == 60
+
+
+def test_reserve_in_room_never_evicts_and_touch_reorders():
+    budget = ByteBudget(100)
+    for episode in (1, 2, 3):
+        fetched(budget, episode, 30)
+    assert not budget.reserve_in_room(4, 20)  # evicting 1 would make room: it is not evicted
+    assert budget.take_evicted() == [] and budget.lru_order() == [1, 2, 3]
+    assert budget.reserve_in_room(5, 10)  # exactly the room left
+    budget.touch([9, 3, 1])  # 9 is not reserved: skipped
+    assert budget.lru_order() == [2, 5, 3, 1]
 
 
 def test_late_payload_of_a_forgotten_episode_is_refused():

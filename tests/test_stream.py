@@ -284,9 +284,9 @@ def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch
     stream = refstream.worker.WorkerStream
     fetch, decode_part, emit = stream._fetch, stream._decode_part, stream._emit
 
-    def fetched(self, episode):
+    def fetched(self, episode, anchors):
         events.append(episode)
-        return fetch(self, episode)
+        return fetch(self, episode, anchors)
 
     def decoded(self, made, thread, parts):
         events.append("decode")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from refstream.planner import Planner
+from refstream.shard import WorkerLimits, split_limits
 from refstream.stream import StreamingDataset
 from refstream.tools.demo import read_frame_label, write_demo_dataset
 from refstream.worker import WorkerConfig, WorkerStream
@@ -53,10 +55,15 @@ def _planner(byte_sizes: dict[int, int], budget: int, epoch: int = 0):
                    pool_size=2, byte_sizes=[byte_sizes[e] for e in SHARE], byte_budget=budget)
 
 
+def _limits(config: WorkerConfig) -> WorkerLimits:
+    return split_limits(2, pool_size=config.pool_size, byte_budget=config.byte_budget,
+                        decoder_cache=config.decoder_cache, cameras=len(CAMERAS))
+
+
 def _play(config: WorkerConfig, runs: list[tuple[int, int, int | None]]) -> tuple[list, list]:
     """The worker's samples over ``runs`` of (epoch, offset, stop), and the anchors the same
     planners give on their own."""
-    limits = config.limits(2)
+    limits = _limits(config)
     with contextlib.closing(WorkerStream(config, SHARE, limits)) as stream:
         sizes, budget = stream.byte_sizes, limits.byte_budget
         plans = [(_planner(sizes, budget, epoch), offset, stop)
@@ -121,3 +128,23 @@ def test_a_workers_samples_and_batches_equal_the_datasets(root):
                 assert torch.equal(batch[key], torch.stack([s[key] for s in stacked])), key
             else:
                 assert batch[key] == [s[key] for s in stacked], key
+
+
+def test_the_kept_frame_demand_counts_only_the_anchors_still_to_come(root):
+    # After a resume offset, the anchors the planner emitted before it never come: the frames
+    # they request must not be counted (they would be kept until the episode drains).
+    config = _config(root)
+    with contextlib.closing(WorkerStream(config, SHARE, _limits(config))) as stream:
+        budget = _limits(config).byte_budget
+        planner = _planner(stream.byte_sizes, budget)
+        planner.skip(6)
+        episode = next(e for e in planner.resident if planner.emitted().get(e))
+        rest = list(_planner(stream.byte_sizes, budget))[6:]  # every anchor, then the rest
+        to_come = [f for e, f in rest if e == episode]
+        assert stream.budget.try_reserve(episode, stream.byte_sizes[episode])
+        stream._start_fetch(episode, planner)
+        _, videos = stream.payloads[episode].result()
+    for camera, window in ((CAMERAS[0], [-2, 0]), (CAMERAS[1], [0])):
+        rows = np.clip(np.add.outer(to_come, window), 0, LENGTHS[episode] - 1).ravel()
+        served = videos[camera].serving_pts[rows]
+        assert videos[camera].demand == dict(Counter(served.tolist()))

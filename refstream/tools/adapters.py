@@ -326,6 +326,8 @@ def kind_budget_ops(case: dict) -> dict:
     budget = ByteBudget(case["budget_bytes"])
     calls = {
         "try_reserve": lambda e, n: budget.try_reserve(e, n),
+        "reserve_in_room": lambda e, n: budget.reserve_in_room(e, n),
+        "touch": lambda e, n: budget.touch([e]),
         "acquire": lambda e, n: budget.acquire(e, n, timeout_s=0),
         "release": lambda e, n: budget.release(e),
         "claim_fetch": lambda e, n: budget.claim_fetch(e),
