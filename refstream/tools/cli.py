@@ -455,6 +455,9 @@ def add_bench(subparsers) -> None:
     p.add_argument("--codec", choices=["av1", "h264"],
                    help=_bench_default("codec of the generated videos", "codec"))
     p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
+    p.add_argument("--first-batch", action="store_true",
+                   help="instead: the time to first batch alone, of the configured dataset and "
+                        "of 8 times its episodes (2 with --quick), in turn")
     p.add_argument("--scale", choices=["droid"],
                    help="instead: index build, construction and worker memory on a DROID-sized "
                         "simulation (sparse videos: no sample can be decoded from it); uses "
@@ -502,6 +505,11 @@ def run_bench(args) -> int:
             raise UsageError(f"--resolution: expected WxH such as 320x240, got {args.resolution}")
         overrides.update(width=int(width), height=int(height))
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    if args.first_batch:
+        from refstream.tools.bench import run_first_batch
+
+        print("\n".join(run_first_batch(config, progress=_bench_progress)))
+        return 0
     report = bench(config, progress=_bench_progress)
     print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
     if args.plot and not plot(report, args.plot):
