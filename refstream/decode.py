@@ -123,10 +123,9 @@ class EpisodeDecoder:
                     raise DecodeError(f"{self.label}: the decoder presents no frame at source "
                                       f"pts {local + self.start_pts}")
                 for plane, channel in zip(_rgb(self._scaler, frame), out[i], strict=True):
-                    if out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded
-                        np.divide(plane, np.float32(255), out=channel)
-                    else:
-                        channel[...] = plane
+                    channel[...] = plane
+                    if out.dtype == np.float32:  # float32(v) / float32(255), exactly rounded;
+                        np.divide(channel, np.float32(255), out=channel)  # faster in place
         except av.FFmpegError as exc:
             raise DecodeError(f"{self.label}: PyAV failed to decode: {exc}") from exc
         self._keep(decoded, wanted, room)

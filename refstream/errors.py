@@ -4,10 +4,9 @@ fault it is) and the conformance kinds that may expect it.
 A class that matches a builtin category also derives from it (``ValueError``, ``TimeoutError``,
 ``OSError``), so generic handlers keep working. Each foreign family is translated once, at its
 edge, with ``raise … from exc``: ``OSError`` in ``source``, ``requests`` in ``http``, pyarrow in
-``meta`` and ``tables``, a corrupt NPY or ZIP file in ``sidecar``, PyAV in ``decode``. A
-DataLoader raises a worker's error again in the training process as the same class, built from
-torch's text: :func:`_from_worker` (the last section) gives it the worker's message and keeps the
-worker's traceback apart in ``worker_traceback``.
+``meta`` and ``tables``, a corrupt NPY or ZIP file in ``sidecar``, PyAV in ``decode``. An error
+a DataLoader raises again from a worker keeps the worker's message as its own, and the worker's
+traceback apart in ``worker_traceback`` (:func:`_from_worker`, the last section).
 """
 
 from __future__ import annotations

@@ -21,11 +21,10 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.cookiejar import DefaultCookiePolicy
-from typing import TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
 import requests
@@ -62,7 +61,6 @@ _RATE_LIMIT = re.compile(r'"([^"]*)"\s*;\s*r\s*=\s*0+\s*;\s*t\s*=\s*([0-9]+)')  
 _OBSOLETE_YEAR = re.compile(r"-([0-9]{2}) ")  # RFC 850's two-digit year: 06-Nov-94
 _WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 RATE_LIMIT_WAIT_ENV = "REFSTREAM_RATE_LIMIT_WAIT_S"
-_T = TypeVar("_T")
 
 
 # --- decisions ---------------------------------------------------------------------------------
@@ -96,10 +94,8 @@ def judge_response(status: int, headers: Mapping[str, str], *,
                    first_last: tuple[int, int] | None = None, suffix: int | None = None,
                    known_size: int | None = None, whole_body_cap_bytes: int = WHOLE_BODY_CAP_BYTES,
                    where: str = "", now: datetime | None = None) -> Accept | Retry | FallBack:
-    """The decision on an answer to ``Range: bytes=first-last`` (``first_last``), to
-    ``bytes=-suffix`` or, when both are None, to a GET or HEAD without ``Range`` (SPEC §8.2).
-    ``headers`` is case-insensitive, ``known_size`` the file size seen before, ``now`` the time a
-    ``Retry-After`` date is measured from (default: the clock)."""
+    """The decision on an answer to ``Range: bytes=first-last``, ``bytes=-suffix`` or (both None)
+    no ``Range`` (SPEC §8.2); ``headers`` case-insensitive, ``known_size`` the size seen before."""
     asked_range = first_last is not None or suffix is not None
     if status in RETRY_STATUSES:
         return _retry(status, headers, where, now)
@@ -178,8 +174,7 @@ def _suffix_range(suffix: int, size: int) -> tuple[int, int]:
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` in seconds (a decimal or an HTTP date, SPEC §8.2 rule 3), None when absent
-    or invalid; a date is measured from ``now`` (default: the clock)."""
+    """``Retry-After`` in seconds after ``now`` (SPEC §8.2 rule 3), None when absent or invalid."""
     value = (value or "").strip()
     if parse_decimal(value) is not None:
         return float(value)
@@ -208,7 +203,6 @@ def _bad_content_range(headers, where: str) -> BadRangeResponse:
 
 
 def _check_size(known_size: int | None, total: int | None, where: str) -> None:
-    """PayloadChanged when a response states another size than the one seen before."""
     if known_size is not None and total is not None and total != known_size:
         raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
 
@@ -308,9 +302,8 @@ class HTTPSource(Source):
         check_span(url, offset, length)
         if length == 0:
             return b""
-        request = _Request(url, f"{url} {byte_range(offset, length)}", relpath,
-                           first_last=(offset, offset + length - 1))
-        return self._get(request).body
+        return self._get(_Request(url, f"{url} {byte_range(offset, length)}", relpath,
+                                  first_last=(offset, offset + length - 1))).body
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
         url = self.url(relpath)
@@ -342,24 +335,17 @@ class HTTPSource(Source):
     # --- one logical request: attempts until one is not a Retry -----------------------------
 
     def _head(self, relpath: str, absent_ok: bool = False) -> tuple[int, str] | tuple[None, None]:
-        """(size, identity) of a file from a HEAD request (SPEC §8.2); the size is remembered.
-        ``(None, None)`` when the file is absent and ``absent_ok``."""
+        """(size, identity) from a HEAD (SPEC §8.2), the size remembered; (None, None): absent."""
         url = self.url(relpath)
         where = f"HEAD {url}"
         answer = self._get(_Request(url, where, method="HEAD", absent_ok=absent_ok))
         if answer is None:
             return None, None
-        hops = answer.hops
-        size = parse_decimal(_on_chain(hops, "X-Linked-Size", "Content-Length"))
+        size = parse_decimal(_on_chain(answer.hops, "X-Linked-Size", "Content-Length"))
         if size is None:
             raise BadRangeResponse(f"{where}: no Content-Length")
         self._sizes[relpath] = size
-        return size, _identity_of(hops)
-
-    def _get(self, request: _Request) -> _Answer | FallBack | None:
-        """``request``'s answer, attempted until it is no :class:`Retry`; None: the file is
-        absent and ``request.absent_ok``."""
-        return self._retrying(request.where, lambda: self._attempt(request))
+        return size, _identity_of(answer.hops)
 
     def _attempt(self, request: _Request) -> _Answer | Retry | FallBack | None:
         response, hops = self._send(request.method, request.url, request.headers(), request.where)
@@ -393,17 +379,17 @@ class HTTPSource(Source):
             body = body[decision.skip_bytes : decision.skip_bytes + decision.answer_bytes]
         return _Answer(body, hops)
 
-    def _retrying(self, where: str, attempt: Callable[[], _T | Retry]) -> _T:
-        """Run ``attempt`` until it returns no :class:`Retry` (a failed connection is one); an
-        answer that says when to retry is waited out without using an attempt (SPEC §8.3)."""
+    def _get(self, request: _Request) -> _Answer | FallBack | None:
+        """Attempted until the answer is no :class:`Retry` (a failed connection is one); one that
+        says when to retry is waited out without using an attempt (SPEC §8.3)."""
         policy, number, waited_s = self.retry, 1, 0.0
         while number <= policy.max_attempts:
             try:
-                outcome = attempt()
+                outcome = self._attempt(request)
             except (requests.ConnectionError, requests.Timeout) as exc:
-                outcome = Retry(FetchError(f"{where}: {type(exc).__name__}: {exc}"))
+                outcome = Retry(FetchError(f"{request.where}: {type(exc).__name__}: {exc}"))
             except requests.RequestException as exc:
-                raise FetchError(f"{where}: {type(exc).__name__}: {exc}") from exc
+                raise FetchError(f"{request.where}: {type(exc).__name__}: {exc}") from exc
             if not isinstance(outcome, Retry):
                 return outcome
             quota = f'quota "{outcome.quota}"' if outcome.quota else "Retry-After"
@@ -425,7 +411,7 @@ class HTTPSource(Source):
             else:
                 break
             time.sleep(delay_s)
-        raise RetriesExhausted(f"{where}: failed {policy.max_attempts} times; "
+        raise RetriesExhausted(f"{request.where}: failed {policy.max_attempts} times; "
                                f"last: {outcome.cause}") from outcome.cause
 
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
@@ -479,7 +465,6 @@ def _identity_of(hops: list[requests.Response]) -> str:
 
 
 def _on_chain(hops: list[requests.Response], linked: str, final: str) -> str | None:
-    """The first ``linked`` header on a redirect chain, else the final answer's ``final``."""
     for hop in hops:
         if hop.headers.get(linked):
             return hop.headers[linked]

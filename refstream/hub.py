@@ -94,8 +94,7 @@ def parse_hf_root(root: str) -> HfRoot:
 
 
 def pinned_root(root: str, identity: str) -> str:
-    """``hf://datasets/OWNER/NAME[@REV][/PREFIX]`` with ``REV`` replaced by the commit of
-    ``identity`` (``commit:<sha>``); any other root or identity leaves ``root`` unchanged."""
+    """An ``hf://datasets`` root on the commit of ``identity`` (``commit:<sha>``), else ``root``."""
     if not root.startswith("hf://datasets/") or not identity.startswith("commit:"):
         return root
     hf = parse_hf_root(root)
@@ -104,8 +103,7 @@ def pinned_root(root: str, identity: str) -> str:
 
 
 def target_expiry(target: str, issued: float) -> float:
-    """When a redirect target resolved at ``issued`` expires (unix seconds, SPEC §8.4):
-    ``X-Amz-Date`` + ``X-Amz-Expires``, else ``Expires``, else ``issued`` + one hour."""
+    """When a redirect target resolved at ``issued`` expires (unix seconds, SPEC §8.4)."""
     query = dict(parse_qsl(urlsplit(target).query))
     signed, lifetime = query.get("X-Amz-Date", ""), parse_decimal(query.get("X-Amz-Expires"))
     if _AMZ_DATE.fullmatch(signed) and lifetime is not None:
@@ -146,8 +144,7 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
 
 
 class HubSource(HTTPSource):
-    """An :class:`HTTPSource` on one commit of a Hub dataset: the commit is every file's identity,
-    the tree listing gives content identities, and redirect targets are shared (module doc)."""
+    """An :class:`HTTPSource` on one commit of a Hub dataset (module docstring)."""
 
     def __init__(self, hf: HfRoot, endpoint: str, commit: str, **options) -> None:
         super().__init__(hf.base_url(endpoint, commit), **options)
@@ -212,8 +209,7 @@ class HubSource(HTTPSource):
 
     @contextlib.contextmanager
     def _one_resolve(self, url: str) -> Iterator[None]:
-        """Held while ``url`` is resolved: by one thread of the process and, through an
-        exclusive ``flock`` in the cache folder (when it can be written), one process."""
+        """Held by the one thread, and (by a ``flock`` when it can) the one process resolving."""
         with self._resolving.setdefault(url, threading.Lock()), contextlib.ExitStack() as held:
             with contextlib.suppress(OSError):
                 self._shared.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -239,8 +235,7 @@ class HubSource(HTTPSource):
         return super()._absent(status, headers) and code == "EntryNotFound"
 
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
-        """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN's answers carry
-        neither ``X-Error-Code`` nor ``X-Error-Message``."""
+        """The Hub's error for a refused request (SPEC §8.4, *Refusals*); a CDN gives none."""
         code, text = headers.get("X-Error-Code", ""), headers.get("X-Error-Message", "")
         repo, said = f"{where}: dataset {self._repo}", f"HTTP {status}: {text or code}"
         if status not in (401, 403, 404) or not (code or text):

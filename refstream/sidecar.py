@@ -6,10 +6,9 @@ Use::
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:class:`MappedIndex` gives read-only ``SampleIndex`` objects whose arrays are views of the mapped
-records in their stored dtypes: a consumer widens the slice it computes on (``pts − dts`` must
-not wrap). The ``refstream.sidecar`` logger says at INFO where the index came from, and a
-build's progress when ``ensure_index`` is given no ``progress(done, total)``.
+:class:`MappedIndex`'s arrays are read-only views in their stored dtypes: widen a slice before
+arithmetic that could wrap (``pts − dts``). The ``refstream.sidecar`` logger says at INFO where
+the index came from, and a build's progress when ``ensure_index`` is given no ``progress``.
 """
 
 from __future__ import annotations
@@ -156,9 +155,8 @@ def record_bytes(index: SampleIndex, identity: str) -> bytes:
 
 def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: str = "", *,
                 verify: bool = False) -> SampleIndex:
-    """The ``SampleIndex`` in the record of file ``relpath`` (``size`` bytes, content
-    ``identity``), its arrays read-only views of the mapping (of the bytes, for a file object);
-    ``SidecarInvalid`` unless the record is valid, or with ``verify`` verified (SPEC §10.3)."""
+    """The ``SampleIndex`` a record holds for file ``relpath`` (``size`` bytes, content
+    ``identity``), its arrays read-only views; else ``SidecarInvalid`` (SPEC §10.3)."""
     mapped = isinstance(file, str | Path)
     try:
         with open(file, "rb") if mapped else contextlib.nullcontext(file) as handle:
@@ -347,16 +345,13 @@ def _take_published(source: Source, wanted: dict[str, Record]) -> int:
                     log.info("%s: %s", PUBLISHED_RELPATH, exc)
     except (RefstreamError, *CORRUPT_ZIP) as exc:
         log.info("%s is not usable, the rest is indexed: %s", PUBLISHED_RELPATH, exc)
-    log.info("%s held records for %d of the %d files without one (records of other contents "
-             "or of another source's identities are not used)", PUBLISHED_RELPATH, taken,
+    log.info("%s held records for %d of the %d files without one", PUBLISHED_RELPATH, taken,
              len(wanted))
     return taken
 
 
 def _index_files(source: Source, records: dict[str, Record], workers: int,
                  progress: Callable[[int, int], object] | None) -> None:
-    """Index every file of ``records`` and install each record as it finishes."""
-
     def index_one(relpath: str, record: Record) -> None:
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
@@ -389,15 +384,13 @@ def pin_identities(source: Source, records: dict[str, Record]) -> None:
 
 def _volatile_records(folder: Path, identities: dict[str, tuple[int, str]],
                       records: dict[str, Record]) -> dict[str, Record]:
-    """Records of this process's own for the files without identity (not in ``records``),
-    with a warning naming them (SPEC §10.7)."""
+    """This process's own records of the files without identity, named in a warning (SPEC §10.7)."""
     unstable = sorted(set(identities) - set(records))
     if not unstable:
         return {}
     more = f" and {len(unstable) - 1} more files have" if len(unstable) > 1 else " has"
     warnings.warn(f"{unstable[0]}{more} no stable identity (no content hash, ETag or "
-                  "Last-Modified), so no stored index can be trusted for them: indexing them "
-                  "again on this open", stacklevel=3)
+                  "Last-Modified): indexed again on every open", stacklevel=3)
     _remove_orphans(folder)
     own = f".volatile.{os.getpid()}.{os.urandom(6).hex()}"
     return {relpath: Record(identities[relpath][0], "", str(folder / f"{own}.{position}.npy"))
@@ -453,7 +446,6 @@ def _process_alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path``, polling up to ``timeout_s`` seconds."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:

@@ -40,9 +40,8 @@ IDENTITY_THREADS = 8  # files whose identity is asked at once: one HEAD each ove
 
 
 class Source:
-    """The base of every source: the identity check of every read (SPEC §8.1).
-    A subclass adds ``read_bytes``, ``read_range``, ``size``, ``size_if_present`` (None for an
-    absent file), ``identity`` and ``close``."""
+    """The base of every source: the identity check of every read (SPEC §8.1); a subclass adds
+    ``read_bytes``, ``read_range``, ``size``, ``size_if_present``, ``identity`` and ``close``."""
 
     def __init__(self) -> None:
         # relpath -> identity; threads share it, and one dict operation is atomic: no lock
@@ -61,17 +60,14 @@ class Source:
             return dict(pool.map(ask, sorted(set(relpaths))))
 
     def _check_identity(self, relpath: str, actual: str, where: str) -> None:
-        """PayloadChanged when ``relpath`` is expected to have another identity than ``actual``."""
         expected = self._expected.get(relpath)
         if expected is not None and actual != expected:
             raise PayloadChanged(f"{where}: file changed since indexed ({expected} -> {actual})")
 
     def read_if_present(self, relpath: str) -> bytes | None:
-        """The whole file, None when the root has no such file (an optional file)."""
         return None if self.size_if_present(relpath) is None else self.read_bytes(relpath)
 
     def read_tail(self, relpath: str, length: int) -> tuple[bytes, int]:
-        """The file's size, then a range of its last bytes."""
         check_tail(relpath, length)
         size = self.size(relpath)
         count = min(length, size)
@@ -154,7 +150,6 @@ class LocalSource(Source):
 
     @contextlib.contextmanager
     def _os_errors(self, relpath: str, path: Path) -> Iterator[None]:
-        """A missing file is MalformedDataset; any other OSError a FetchError."""
         try:
             yield
         except FileNotFoundError as exc:

@@ -6,8 +6,7 @@ Use::
     table = read_episode_rows(source, relpath, episode, expected_rows, columns, footers,
                               first_index=meta.from_index[row])     # checks the index column
 
-The table is SPEC §8.5's answer, its values in their Arrow types (``refstream.meta.column_array``
-converts them); given ``first_index``, the ``index`` column must also count from it.
+The table is SPEC §8.5's answer in Arrow types (``refstream.meta.column_array`` converts them).
 """
 
 from __future__ import annotations

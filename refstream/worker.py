@@ -24,9 +24,10 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 
 import numpy as np
 import torch
@@ -245,7 +246,7 @@ class WorkerStream:
         to_admit = deque(planner.resident)
         for _ in range(anchors):
             while to_admit:
-                while not self._admit(to_admit[0], planner, wait=not any(self.in_flight.values())):
+                while not self._admit(to_admit[0], wait=not any(self.in_flight.values())):
                     yield DECODE_FIRST
                 to_admit.popleft()
             episode, frame = next(planner)
@@ -253,26 +254,33 @@ class WorkerStream:
             to_admit.extend(admitted)
             self.drained.update(drained)
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
+            self._start_fetch(episode, planner, (frame,))  # in the order anchors need them
             yield episode, frame
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors (each decode thread the requests of its
-        own decoders), then free the episodes they finish, then prefetch. The decoders may keep
-        decoded frames that later anchors request, in the bytes the budget has not reserved
-        (SPEC §9.3)."""
-        for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
-            self._gather(made, slot)
-            self.in_flight[episode] -= 1
+        """Gather and decode the group's new anchors (each decode thread the requests of its own
+        decoders, those gathered while a payload is awaited), then free the episodes they finish,
+        then fetch the other residents and prefetch. The decoders may keep decoded frames that
+        later anchors request, in the bytes the budget has not reserved (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
-        futures = [self.decode_pool.submit(self._decode_part, made, thread)
-                   for thread in range(1, len(self.decoders))]
-        self._decode_part(made, 0)
-        for future in futures:
+        queues = [SimpleQueue() for _ in self.decoders]  # of lists of requests, then None
+        futures = [self.decode_pool.submit(self._decode_part, made, t, iter(queues[t].get, None))
+                   for t in range(1, len(queues))]
+        try:
+            for slot, (episode, _) in enumerate(made.anchors[made.done:], made.done):
+                if not self.payloads[episode].done():
+                    self._hand_out(made, queues)
+                self._gather(made, slot)
+                self.in_flight[episode] -= 1
+            self._hand_out(made, queues)
+        finally:
+            for queue in queues[1:]:
+                queue.put(None)
+        for future in futures:  # after this thread's error, as when it decoded its part first
             future.result()
-        made.requests.clear()
         made.done = len(made.anchors)
         finished = [e for e in self.drained if not self.in_flight.get(e)]
         for episode in finished:  # drained, its last anchor decoded: free its bytes and decoders
@@ -280,6 +288,8 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
+        for episode in planner.resident:  # admitted, no anchor asked for them yet
+            self._start_fetch(episode, planner)
         self._prefetch(planner)  # after the decode, so the first group waits for no prefetch
 
     def _gather(self, made: _Group, slot: int) -> None:
@@ -298,14 +308,23 @@ class WorkerStream:
                 made.requests.append((slot, episode, key, videos[key], pts))
         made.values["task"].append(self.meta.tasks[int(columns["task_index"][frame])])
 
-    def _decode_part(self, made: _Group, thread: int) -> None:
-        """Decode the group's requests that go to the decoders of ``thread``."""
-        for slot, episode, camera, video, pts in made.requests:
-            if (episode + self.cameras.index(camera)) % len(self.decoders) == thread:
-                decoders = self.decoders[thread]
-                decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
-                                           video.stsd, video.keyframes, video.demand)
-                decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
+    def _hand_out(self, made: _Group, queues: list[SimpleQueue]) -> None:
+        """Give the requests gathered to the threads of their decoders (this one's decoded now)."""
+        parts = [[] for _ in queues]
+        for request in made.requests:  # (slot, episode, camera, video, pts)
+            parts[(request[1] + self.cameras.index(request[2])) % len(parts)].append(request)
+        made.requests.clear()
+        for queue, part in zip(queues[1:], parts[1:], strict=True):
+            queue.put(part)
+        self._decode_part(made, 0, parts[:1])
+
+    def _decode_part(self, made: _Group, thread: int, parts: Iterable[list[tuple]]) -> None:
+        """Decode the group's requests of ``parts``, all going to the decoders of ``thread``."""
+        decoders = self.decoders[thread]
+        for slot, episode, camera, video, pts in itertools.chain.from_iterable(parts):
+            decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
+                                       video.stsd, video.keyframes, video.demand)
+            decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""
@@ -328,14 +347,13 @@ class WorkerStream:
 
     # --- admission, prefetch and release ------------------------------------------------------
 
-    def _admit(self, episode: int, planner: Planner, wait: bool) -> bool:
-        """Reserve ``episode`` and start its fetch; False if it must wait (only if not ``wait``)."""
+    def _admit(self, episode: int, wait: bool) -> bool:
+        """Reserve ``episode`` (fetched when needed); False if it must wait (only if not wait)."""
         timeout_s = None if wait else 0
         if not self.budget.acquire(episode, self.byte_sizes[episode], timeout_s=timeout_s):
             return False
         for evicted in self.budget.take_evicted():
             self._discard(evicted)
-        self._start_fetch(episode, planner)
         return True
 
     def _prefetch(self, planner: Planner) -> None:
@@ -352,10 +370,11 @@ class WorkerStream:
         # frontier's far end, that is the one needed last.
         self.budget.touch(reversed(frontier))
 
-    def _start_fetch(self, episode: int, planner: Planner) -> None:
-        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once)."""
+    def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
+        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once),
+        for its anchors ``drawn`` and to come."""
         if self.budget.claim_fetch(episode):
-            anchors = np.array(planner.frames_to_come(episode), dtype=np.int64)
+            anchors = np.array([*drawn, *planner.frames_to_come(episode)], dtype=np.int64)
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode, anchors)
 
     def _discard(self, episode: int) -> None:

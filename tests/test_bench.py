@@ -123,7 +123,11 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     assert [t["key"] for t in report["targets"]] == list(bench.TARGET_TEXT)
     verdicts = {t["key"]: t["passed"] for t in report["targets"]}
     assert verdicts["span_bytes"] is verdicts["requests"] is True  # counts hold at any size
-    assert verdicts["vs_ceiling"] is verdicts["ttfs_flat"] is verdicts["elastic"] is None
+    assert verdicts["float32_limit"] is verdicts["uint8_limit"] is None  # timed: n/a in --quick
+    assert verdicts["ttfs_flat"] is verdicts["elastic"] is None
+    floor = report["write_floor"]  # a batch of thumbnails' camera values, written
+    assert floor["float32_ms"] > 0 and floor["uint8_ms"] > 0
+    assert floor["megabytes"] == QUICK.cameras * QUICK.camera_window * 3 * 48 * 64 * 4 / 1e6
     assert verdicts["long_gop_amplification"] is True  # each GOP decoded once
     assert all(method["loader_cpu_ms"] >= 0 for method in methods.values())
     # The memory table's row in --quick: the named configuration, in a process of its own.
@@ -135,6 +139,15 @@ def test_quick_bench_from_the_command_line(cache, root, monkeypatch, capsys, tmp
     hub = report["hub_run"]  # one resolve per file for the main process and its workers
     assert hub["resolves"] == hub["files"] > 0 and hub["most_per_file"] == 1
     assert hub["target_requests"] >= QUICK.episodes * QUICK.cameras  # spans from the targets
+
+
+def test_the_first_batch_alone_from_the_command_line(cache, root, monkeypatch, capsys):
+    # x1 and x2 (--quick's scale) in turn: both datasets' first batches, and the flat target.
+    monkeypatch.setenv("REFSTREAM_CACHE", cache)
+    assert main(["bench", "--quick", "--first-batch"]) == 0
+    line, target = capsys.readouterr().out.splitlines()
+    assert line.startswith("time to first batch over HTTP, sidecar built: x1 ") and " x2 " in line
+    assert "flat in dataset size: x2 <= 1.3 x the x1 time" in target
 
 
 def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
@@ -169,6 +182,23 @@ def test_decode_and_rgb_scale_apart_with_the_amplification():
     assert bench.BenchReport._decode_share(report, method) == (800.0, 2.0, (1.5 + 1) / 4)
 
 
+def test_the_write_floor_adds_to_each_samples_decode_cpu():
+    # Decoding and RGB take 1.5 ms of CPU per sample, the float32 write 0.5 ms more: the limit
+    # falls to 1.5 / 2 of itself; uint8 items are held to their own floor.
+    ceiling = baselines.Ceiling(processes=2, episode_frames=100, decoded_frames=100, wall_s=1.0,
+                                decode_s=1.0, rgb_s=1.0, cpu_s=2.0)
+    report = bench.BenchReport.__new__(bench.BenchReport)
+    for name, value in dict(long_gop=None, ceiling=ceiling, ceiling_samples_per_s=1000.0,
+                            ceiling_cpu_ms=2.0,
+                            write_floor=bench.WriteFloor(0.5, 0.1, 5.5)).items():
+        object.__setattr__(report, name, value)
+    float32 = SimpleNamespace(name="refstream-http", amplification=0.5)
+    uint8 = SimpleNamespace(name="refstream-http-uint8", amplification=0.5)
+    assert report.decode_limit(float32) == pytest.approx(1000 / 0.75)
+    assert report.floor_limit(float32) == pytest.approx(1000 / 0.75 * 1.5 / 2.0)
+    assert report.floor_limit(uint8) == pytest.approx(1000 / 0.75 * 1.5 / 1.6)
+
+
 def test_targets_made_for_another_run_do_not_apply():
     def why(key, gop=2, **config):
         report = SimpleNamespace(config=bench.BenchConfig(**config), gop=gop)
@@ -176,7 +206,7 @@ def test_targets_made_for_another_run_do_not_apply():
 
     assert why("amplification") is None and why("ttfs_flat") is None
     assert "GOP is 30" in why("amplification", gop=30)  # g=2's bound, on a g=30 dataset
-    assert "--quick" in why("vs_ceiling", smoke=True) and why("span_bytes", smoke=True) is None
+    assert "--quick" in why("float32_limit", smoke=True) and why("span_bytes", smoke=True) is None
     assert "DROID" in why("elastic", smoke=True) and why("elastic") is None
     for key in ("ttfs_flat", "long_gop_amplification", "long_gop_speed", "memory_table"):
         assert "--root" in why(key, root="/data")

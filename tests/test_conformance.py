@@ -60,14 +60,14 @@ def broken_answer(case):
 def test_the_protocol_command_gives_the_same_answers():
     # One case per kind through a real subprocess: proves the stdin/stdout protocol end to end.
     one_per_kind = {case.kind: case for case in CASES}.values()
-    command = conformance.via_command(ADAPTER)
+    command = conformance.load_runner().via_command(ADAPTER, FIXTURES)
     replies = {}
 
     def ask(case):
         replies[case.path] = command(case)
         return replies[case.path]
 
-    for outcome in conformance.run(list(one_per_kind), ask):
+    for outcome in conformance.load_runner().run(list(one_per_kind), ask):
         # a failed process answers {"error": ...}: show it, not only the first missing field
         assert outcome.difference is None, (outcome.case.path, outcome.difference,
                                             replies[outcome.case.path].get("error"))
@@ -76,7 +76,8 @@ def test_the_protocol_command_gives_the_same_answers():
 def test_a_broken_command_fails_with_the_first_difference():
     command = f"{sys.executable} {TESTS_DIR / 'broken_adapter.py'}"
     one_per_kind = list({case.kind: case for case in CASES}.values())
-    outcomes = list(conformance.run(one_per_kind, conformance.via_command(command)))
+    runner = conformance.load_runner()
+    outcomes = list(runner.run(one_per_kind, runner.via_command(command, FIXTURES)))
     assert all(o.difference is not None for o in outcomes)
     assert any("expected" in o.difference and "got" in o.difference for o in outcomes)
 
@@ -208,8 +209,9 @@ def test_integers_a_double_cannot_hold_travel_as_strings(case):
 def test_the_javascript_example_passes_every_rng_case():
     # spec/example/rng.mjs, written from SPEC alone, reads every case with JSON.parse.
     rng_cases = [case for case in CASES if case.kind == "rng"]
-    ask = conformance.via_command("node ../example/rng.mjs")
-    assert [o.difference for o in conformance.run(rng_cases, ask)] == [None] * len(rng_cases)
+    runner = conformance.load_runner()
+    ask = runner.via_command("node ../example/rng.mjs", FIXTURES)
+    assert [o.difference for o in runner.run(rng_cases, ask)] == [None] * len(rng_cases)
 
 
 # --- the fixtures themselves -------------------------------------------------------------------
@@ -268,6 +270,5 @@ def test_a_copied_fixtures_folder_runs_from_anywhere(tmp_path):
     shutil.copy(RUN_PY, copy.parent / "run.py")
     cases = conformance.load_cases(conformance.fixtures_folder(copy))
     assert cases and all(c.root == copy for c in cases)
-    assert [o.difference for o in conformance.run(cases, conformance.in_process)] == [None] * len(
-        cases
-    )
+    outcomes = conformance.load_runner(copy).run(cases, conformance.in_process)
+    assert [o.difference for o in outcomes] == [None] * len(cases)

@@ -284,29 +284,38 @@ def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_w
 
 
 def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch):
-    # The pool's episodes are fetched first; the frontier is prefetched once a group is decoded.
+    # The first group's episodes are fetched as its anchors need them and decoded as they
+    # arrive; the other residents and the frontier are fetched once the group is decoded.
     events = []
     stream = refstream.worker.WorkerStream
-    fetch, decode_part = stream._fetch, stream._decode_part
+    fetch, decode_part, emit = stream._fetch, stream._decode_part, stream._emit
 
     def fetched(self, episode, anchors):
         events.append(episode)
         return fetch(self, episode, anchors)
 
-    def decoded(self, made, thread):
+    def decoded(self, made, thread, parts):
         events.append("decode")
-        decode_part(self, made, thread)
+        decode_part(self, made, thread, parts)
+
+    def emitted(self, *arguments):
+        events.append("emit")
+        return emit(self, *arguments)
 
     monkeypatch.setattr(stream, "_fetch", fetched)
     monkeypatch.setattr(stream, "_decode_part", decoded)
-    dataset = StreamingDataset(dataset_root, seed=2, episode_pool_size=2, prefetch_episodes=3,
+    monkeypatch.setattr(stream, "_emit", emitted)
+    dataset = StreamingDataset(dataset_root, seed=1, episode_pool_size=3, prefetch_episodes=3,
                                batch_size=4, batched=True)
     batches = iter(DataLoader(dataset, batch_size=None, num_workers=0))
     first = next(batches)
-    assert set(events[:events.index("decode")]) == set(first["episode_index"].tolist())
-    assert len(set(first["episode_index"].tolist())) == 2  # the pool, no frontier episode
+    needed = set(first["episode_index"].tolist())
+    assert len(needed) == 2  # of the 3 residents: one waits, and so does the frontier
+    head = events[:events.index("emit")]
+    last_decode = max(i for i, event in enumerate(head) if event == "decode")
+    assert {e for e in head[:last_decode] if e != "decode"} == needed
     assert sum(len(b["index"]) for b in batches) + len(first["index"]) == sum(LENGTHS)
-    assert len([e for e in events if e != "decode"]) == len(LENGTHS)  # each fetched once
+    assert len([e for e in events if e not in ("decode", "emit")]) == len(LENGTHS)  # once each
 
 
 def test_budget_is_respected_and_sampled(dataset_root, budgets):

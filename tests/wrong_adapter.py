@@ -45,7 +45,6 @@ def index_reduced(fix):
     def u64(key, i):
         return rng.mix64(key + ((int(i) & rng.MASK64) + 1) * rng.GOLDEN_GAMMA)
     fix.setattr(rng, "u64", u64)
-    fix.setattr(adapters, "u64", u64)
 
 
 @point("rng-index-signed", "rng/index-top")
@@ -58,7 +57,6 @@ def index_signed(fix):
             raise UsageError("index beyond int64")
         return real(key, i)
     fix.setattr(rng, "u64", u64)
-    fix.setattr(adapters, "u64", u64)
 
 
 @point("rng-permute", "rng/permutation-duplicate-id", "rng/permutation-non-integer-id")
@@ -69,7 +67,7 @@ def permute_unchecked(fix):
         if ids.size and ids.min() < 0:
             raise UsageError("negative id")
         return ids[np.lexsort((ids, rng.u64_array(key, ids)))]
-    fix.setattr(adapters, "permutation", permutation)
+    fix.setattr(rng, "permutation", permutation)
 
 
 @point("info-json", "meta/malformed-info-nan-token", "meta/malformed-info-infinity-token",

@@ -4,8 +4,7 @@
 
 Inputs arrive in the protocol's encoding (``spec/README.md``, "Encoding"): the adapters decode
 the 64-bit fields written as decimal strings (:func:`decode_u64`, :func:`decode_label`) before
-calling the library, and encode such answers back. The kinds that read media (``mp4_index``,
-``span``, ``synth``) name a file relative to the fixtures folder; :func:`answer` resolves it.
+calling the library, and encode such answers back.
 """
 
 from __future__ import annotations
@@ -25,28 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from requests.structures import CaseInsensitiveDict
 
-from refstream import resume
+from refstream import hub, mp4, resume, rng, shard, sidecar, source, synth, tables
 from refstream.budget import ByteBudget
 from refstream.errors import BudgetError, MalformedDataset, RefstreamError, UsageError, check_int
 from refstream.http import Accept, FallBack, HTTPSource, Retry, judge_response
-from refstream.hub import hub_endpoint, parse_hf_root, resolve_again, target_expiry
 from refstream.meta import load_meta, select_episodes
-from refstream.mp4 import SampleIndex, parse_index
 from refstream.planner import Planner
-from refstream.rng import below, derive_key, permutation, resolve_seed, u64
-from refstream.shard import ceil_div, rank_share, split_limits, worker_shares
-from refstream.sidecar import ARRAY_FIELDS, SCALAR_FIELDS, record_bytes, record_name
-from refstream.source import LocalSource, check_relpath
-from refstream.synth import (
-    check_frame_rate,
-    select_frames,
-    select_span,
-    serving_samples,
-    span_of,
-    synthesize,
-    synthesized_size,
-)
-from refstream.tables import candidate_row_groups
 from refstream.tools.doctor import episode_tiling
 from refstream.windows import make_windows, window_rows
 
@@ -96,30 +79,29 @@ def decode_label(label):
 
 def kind_rng(case: dict) -> dict:
     seed = decode_u64(case["seed"])
-    key = derive_key(resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
+    key = rng.derive_key(rng.resolve_seed(seed), *(decode_label(label) for label in case["labels"]))
     indices = [decode_u64(i) for i in case["indices"]]
     below_n = decode_u64(case["below_n"])
-    return {"key": f"0x{key:016x}", "u64": [f"0x{u64(key, i):016x}" for i in indices],
-            "below": [str(below(below_n, key, i)) for i in indices],
-            "permutation": permutation(key, case["permute"]).tolist()}
+    return {"key": f"0x{key:016x}", "u64": [f"0x{rng.u64(key, i):016x}" for i in indices],
+            "below": [str(rng.below(below_n, key, i)) for i in indices],
+            "permutation": rng.permutation(key, case["permute"]).tolist()}
 
 
 def kind_shard(case: dict) -> dict:
     ids, frames = case["episodes"], case["frames"]
     count = dict(zip(ids, frames, strict=True))
     # max(1, …): a world size of 0 reaches rank_share, which refuses it (SPEC §2.2).
-    ranks = [rank_share(ids, frames, r, case["world_size"])
+    ranks = [shard.rank_share(ids, frames, r, case["world_size"])
              for r in range(max(1, case["world_size"]))]
-    workers = [worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
+    workers = [shard.worker_shares(r, [count[e] for e in r], case["num_workers"]) for r in ranks]
     return {"ranks": ranks, "rank_frames": [sum(count[e] for e in r) for r in ranks],
             "workers": workers,
             "worker_frames": [[sum(count[e] for e in w) for w in r] for r in workers]}
 
 
 def kind_limits(case: dict) -> dict:
-    limits = split_limits(case["num_workers"], pool_size=case["pool_size"],
-                          byte_budget=case["byte_budget"], decoder_cache=case["decoder_cache"],
-                          cameras=case["cameras"])
+    limits = shard.split_limits(case["num_workers"], **{name: case[name] for name in (
+        "pool_size", "byte_budget", "decoder_cache", "cameras")})
     return {name: getattr(limits, name) for name in ("pool_size", "byte_budget", "decoder_cache")}
 
 
@@ -152,8 +134,8 @@ def kind_resume(case: dict) -> dict:
     rank_batches = case.get("rank_batches")
     if not frames or min(frames) < 1:
         raise UsageError(f"every worker share needs frames, got {frames}")
-    if not (rank_batches is None or 1 <= rank_batches <= sum(ceil_div(f, batch_size)
-                                                             for f in frames)):
+    most = sum(shard.ceil_div(f, batch_size) for f in frames)  # every worker's batches
+    if rank_batches is not None and not 1 <= rank_batches <= most:
         raise UsageError(f"rank_batches {rank_batches} is not an epoch of these workers")
     positions = resume.resume_positions(frames, batch_size, epoch=case["epoch"],
                                         samples=case["samples"], repeat=case["repeat"],
@@ -174,18 +156,16 @@ def kind_resume_state(case: dict) -> dict:
     saved = dict(case["saved"])
     if "seed" in saved:
         saved["seed"] = decode_u64(saved["seed"])
-    current = resume.ResumeSetup(**{**case["current"],
-                                    "seed": decode_u64(case["current"]["seed"])})
+    current = resume.ResumeSetup(**{**case["current"], "seed": decode_u64(case["current"]["seed"])})
     state = resume.ResumeState.from_dict(saved).resume_with(current)
-    return {"epoch": state.epoch, "samples": state.samples,
-            "history": state.to_dict()["history"]}
+    return {"epoch": state.epoch, "samples": state.samples, "history": state.to_dict()["history"]}
 
 
 def kind_elastic_resume(case: dict) -> dict:
     """Kind ``elastic_resume`` (SPEC §3.9). The seed is a 64-bit field."""
     episodes, frames, sizes = case["episodes"], case["frames"], case.get("byte_sizes")
     setup = resume.ResumeSetup(
-        seed=resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
+        seed=rng.resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
         pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
         world_size=case["world_size"], num_workers=case["num_workers"],
         batch_size=case["batch_size"], repeat=case["repeat"],
@@ -221,8 +201,7 @@ def elastic_epochs(delivered: resume.Delivered, repeat: bool) -> range:
 
 # Arrow types a conformance case may give a Parquet column.
 CASE_COLUMN_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
-                     "list<string>": pa.list_(pa.string()),
-                     "list<float64>": pa.list_(pa.float64())}
+                     "list<string>": pa.list_(pa.string()), "list<float64>": pa.list_(pa.float64())}
 
 
 class MemorySource:
@@ -232,12 +211,12 @@ class MemorySource:
         self.files = dict(files)
 
     def read_bytes(self, relpath: str) -> bytes:
-        if check_relpath(relpath) not in self.files:
+        if source.check_relpath(relpath) not in self.files:
             raise MalformedDataset(f"{relpath}: missing from the dataset")
         return self.files[relpath]
 
     def read_if_present(self, relpath: str) -> bytes | None:
-        return self.files.get(check_relpath(relpath))
+        return self.files.get(source.check_relpath(relpath))
 
 
 def kind_meta(case: dict) -> dict:
@@ -247,10 +226,8 @@ def kind_meta(case: dict) -> dict:
     answer = {name: getattr(meta, name) for name in (
         "fps", "camera_keys", "parquet_keys", "total_episodes", "total_frames", "tasks")}
     answer |= {
-        "episode_index": ids,
-        "from_index": meta.from_index.tolist(),
-        "to_index": meta.to_index.tolist(),
-        "frames": [meta.frames(e) for e in ids],
+        "episode_index": ids, "frames": [meta.frames(e) for e in ids],
+        "from_index": meta.from_index.tolist(), "to_index": meta.to_index.tolist(),
         "data_relpath": [meta.data_relpath(e) for e in ids],
         "video_relpath": {k: [meta.video_relpath(e, k) for e in ids] for k in meta.camera_keys},
         "video_from_s": {k: meta.video_from_s[k].tolist() for k in meta.camera_keys},
@@ -277,15 +254,11 @@ def _case_file(description: dict) -> bytes:
 def kind_windows(case: dict) -> dict:
     windows = make_windows(case["delta_timestamps"], case["fps"], case["tolerance_s"],
                            feature_keys=case.get("feature_keys"))
-    rows: dict[str, list] = {key: [] for key in windows}
-    is_pad: dict[str, list] = {key: [] for key in windows}
-    for frame in case["frames"]:
-        for key, offsets in windows.items():
-            key_rows, key_pad = window_rows(offsets, frame, case["length"])
-            rows[key].append(key_rows.tolist())
-            is_pad[key].append(key_pad.tolist())
-    offsets = {key: offsets.tolist() for key, offsets in windows.items()}
-    return {"offsets": offsets, "rows": rows, "is_pad": is_pad}
+    per_key = {key: [window_rows(offsets, frame, case["length"]) for frame in case["frames"]]
+               for key, offsets in windows.items()}
+    return {"offsets": {key: offsets.tolist() for key, offsets in windows.items()},
+            "rows": {key: [rows.tolist() for rows, _ in got] for key, got in per_key.items()},
+            "is_pad": {key: [pad.tolist() for _, pad in got] for key, got in per_key.items()}}
 
 
 def kind_range_response(case: dict) -> dict:
@@ -304,8 +277,7 @@ def _judge(case: dict, **asked) -> Accept | Retry | FallBack:
     return judge_response(
         case["status"], CaseInsensitiveDict(case["headers"]), **asked,
         known_size=case["known_size"], whole_body_cap_bytes=case["whole_body_cap_bytes"],
-        where="case", now=None if now is None else email.utils.parsedate_to_datetime(now),
-    )
+        where="case", now=None if now is None else email.utils.parsedate_to_datetime(now))
 
 
 def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...]) -> dict:
@@ -318,7 +290,7 @@ def _decision_answer(decision: Accept | Retry | FallBack, fields: tuple[str, ...
 
 
 def kind_hf_url(case: dict) -> dict:
-    hf, endpoint = parse_hf_root(case["root"]), hub_endpoint(case["endpoint"])
+    hf, endpoint = hub.parse_hf_root(case["root"]), hub.hub_endpoint(case["endpoint"])
     api_url = hf.revision_api_url(endpoint)
     commit = case["commit"] if api_url is not None else hf.revision
     url = HTTPSource(hf.base_url(endpoint, commit)).url(case["relpath"])
@@ -327,13 +299,13 @@ def kind_hf_url(case: dict) -> dict:
 
 
 def kind_hub_target(case: dict) -> dict:
-    expiry = target_expiry(case["target"], case["issued"])
-    return {"expiry": expiry, "resolve": resolve_again(expiry, case["now"])}
+    expiry = hub.target_expiry(case["target"], case["issued"])
+    return {"expiry": expiry, "resolve": hub.resolve_again(expiry, case["now"])}
 
 
 def kind_row_group_candidates(case: dict) -> dict:
     stats = [None if s is None else (int(s[0]), int(s[1])) for s in case["stats"]]
-    return {"candidates": candidate_row_groups(stats, int(case["episode"]))}
+    return {"candidates": tables.candidate_row_groups(stats, int(case["episode"]))}
 
 
 def kind_budget_ops(case: dict) -> dict:
@@ -368,8 +340,8 @@ def kind_budget_ops(case: dict) -> dict:
 def kind_frame_select(case: dict) -> dict:
     num, den = case["time_base"]
     pts_ticks = np.array(sorted(case["pts"]), dtype=np.int64)
-    chosen = select_frames(pts_ticks * num, den, np.array(case["times_s"], dtype=np.float64),
-                           case["tolerance_s"])
+    chosen = synth.select_frames(pts_ticks * num, den, np.array(case["times_s"], np.float64),
+                                 case["tolerance_s"])
     return {"pts": [int(pts_ticks[j]) for j in chosen]}
 
 
@@ -382,48 +354,50 @@ def kind_sidecar_record(case: dict) -> dict:
                 handle.truncate(fields["file_size"])
             mtime_ns = int(case["local_mtime_ns"])  # a 64-bit field: a decimal string
             os.utime(Path(folder) / "video.mp4", ns=(mtime_ns, mtime_ns))
-            identity = LocalSource(folder).identity("video.mp4")
-    index = SampleIndex(
+            identity = source.LocalSource(folder).identity("video.mp4")
+    index = mp4.SampleIndex(
         path="case", file_size=fields["file_size"], ftyp=bytes.fromhex(fields["ftyp"]),
-        stsd=bytes.fromhex(fields["stsd"]), **{name: fields[name] for name in SCALAR_FIELDS},
+        stsd=bytes.fromhex(fields["stsd"]),
+        **{name: fields[name] for name in sidecar.SCALAR_FIELDS},
         **{name: np.array(fields[name], bool if name == "keyframe" else np.int64)
-           for name in ARRAY_FIELDS})
-    record = np.load(io.BytesIO(record_bytes(index, identity)), allow_pickle=False)
+           for name in sidecar.ARRAY_FIELDS})
+    record = np.load(io.BytesIO(sidecar.record_bytes(index, identity)), allow_pickle=False)
     arrays = b"".join(record[name][0].tobytes() for name in record.dtype.names[2:])
-    return {"identity": identity, "name": record_name(index.file_size, identity),
+    return {"identity": identity, "name": sidecar.record_name(index.file_size, identity),
             "fields": [[name, record.dtype[name].base.str, list(record.dtype[name].shape)]
                        for name in record.dtype.names],
             "meta": json.loads(record["meta"][0].tobytes()),
             "arrays_sha256": hashlib.sha256(arrays).hexdigest()}
 
 
-def _media_index(case_input: dict) -> tuple[bytes, SampleIndex]:
+def _media_index(case_input: dict) -> tuple[bytes, mp4.SampleIndex]:
     data = Path(case_input["file"]).read_bytes()
-    return data, parse_index(lambda at, n: data[at : at + n], len(data), case_input["file"])
+    return data, mp4.parse_index(lambda at, n: data[at : at + n], len(data), case_input["file"])
 
 
 def kind_mp4_index(case_input: dict) -> dict:
     _, index = _media_index(case_input)
     scalars = ("codec", "width", "height", "track_id", "timescale")
     return ({name: getattr(index, name) for name in scalars}
-            | {name: getattr(index, name).tolist() for name in ARRAY_FIELDS})
+            | {name: getattr(index, name).tolist() for name in sidecar.ARRAY_FIELDS})
 
 
 def kind_span(case_input: dict) -> dict:
     _, index = _media_index(case_input)
     times = case_input.get("request_times_s")
     request_times_s = None if times is None else np.asarray(times, float)
-    span = select_span(index, case_input["from_s"], case_input["to_s"],
-                       case_input["tolerance_s"], request_times_s)  # fmt: skip
+    span = synth.select_span(index, case_input["from_s"], case_input["to_s"],
+                             case_input["tolerance_s"], request_times_s)  # fmt: skip
     fields = ("sample_lo", "sample_hi", "byte_offset", "byte_length", "start_pts")
     return {name: getattr(span, name) for name in fields}
 
 
 def kind_synth(case_input: dict) -> dict:
     file, index = _media_index(case_input)
-    span = span_of(index, case_input["sample_lo"], case_input["sample_hi"])
-    data = synthesize(index, span, file[span.byte_offset : span.byte_offset + span.byte_length])
-    return {"synthesized_size": synthesized_size(index, span), "size": len(data),
+    span = synth.span_of(index, case_input["sample_lo"], case_input["sample_hi"])
+    payload = file[span.byte_offset : span.byte_offset + span.byte_length]
+    data = synth.synthesize(index, span, payload)
+    return {"synthesized_size": synth.synthesized_size(index, span), "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
@@ -438,14 +412,14 @@ def kind_doctor_tiling(case: dict) -> dict:
 
 def kind_doctor_requests(case: dict) -> dict:
     times_s = np.asarray(case["times_s"], np.float64)
-    served = serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]), times_s,
-                             float(case["tolerance_s"]))
+    served = synth.serving_samples(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                   times_s, float(case["tolerance_s"]))
     return {"unserved": served.unserved(len(times_s)).tolist()}
 
 
 def kind_frame_rate(case: dict) -> dict:
-    spacing = check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
-                               case["fps"], "video")
+    spacing = synth.check_frame_rate(np.asarray(case["pts"], np.int64), int(case["timescale"]),
+                                     case["fps"], "video")
     return {"spacing_ticks": None if np.isnan(spacing) else spacing}
 
 

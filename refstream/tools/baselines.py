@@ -1,21 +1,6 @@
 """The ways people load LeRobot video data today, written here as ``refstream bench``'s
-baselines (PyAV, no refstream streaming; rows become tensors by the one LeRobot rule,
-``refstream.worker.hf_to_torch``):
-
-``MapStyleVideoDataset(root, delta_timestamps)``
-    A map-style dataset that reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video
-    backend: every data Parquet file read into numpy arrays up front (as LeRobot loads its Arrow
-    tables); per item, the anchor's rows and windows by LeRobot's rule (``refstream.windows``)
-    and, per camera, :func:`decode_like_lerobot`. Items carry ``bench.decoded_frames`` (int64)
-    so the bench can count decodes.
-
-``decode_ceiling(root, meta, processes)`` -> :class:`Ceiling`
-    Sequential PyAV decode of every episode of every camera, converting each frame to FFmpeg's
-    rgb24 (one reused single-threaded converter; ``refstream.decode``'s frames equal it, read
-    from planar output where that is the same), in ``processes`` processes: what decoding alone
-    costs, no loader around it.
-
-``cpu_seconds()``: user + system CPU of this process and its reaped children (``os.times``).
+baselines: PyAV, no refstream streaming; rows become tensors by the one LeRobot rule
+(``refstream.worker.hf_to_torch``).
 """
 
 from __future__ import annotations
@@ -33,19 +18,16 @@ import pyarrow.parquet as pq
 import torch
 from av.video.reformatter import VideoReformatter
 
-from refstream.errors import UsageError
+from refstream import errors, source, windows, worker
 from refstream.meta import DatasetMeta, column_array, load_meta
-from refstream.source import LocalSource
-from refstream.windows import make_windows, window_rows
-from refstream.worker import hf_to_torch
 
-__all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "Ceiling",
-           "cpu_seconds", "TOLERANCE_S"]
+__all__ = ["MapStyleVideoDataset", "decode_like_lerobot", "decode_ceiling", "cpu_seconds"]
 
 TOLERANCE_S = 1e-4  # LeRobot's default tolerance_s
 
 
 def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
@@ -56,10 +38,8 @@ def cpu_seconds() -> float:
 def decode_like_lerobot(path: str, times_s: np.ndarray,
                         tolerance_s: float) -> tuple[np.ndarray, int]:
     """float32 ``(T, 3, H, W)`` frames at source-file ``times_s`` and the frames decoded, as
-    LeRobot's ``decode_video_frames`` with the ``pyav`` backend: open the file, seek to the
-    keyframe at or before the first time, decode forward converting every frame to RGB until one
-    is at or past the last time, then take the nearest frame per time (error beyond tolerance).
-    """
+    LeRobot's ``decode_video_frames`` with the ``pyav`` backend decodes them: every frame from
+    the keyframe before the first time to the last time converted to RGB, the nearest kept."""
     with av.open(path) as container:
         stream = container.streams.video[0]
         first_s, last_s = float(times_s.min()), float(times_s.max())
@@ -75,22 +55,25 @@ def decode_like_lerobot(path: str, times_s: np.ndarray,
     nearest = distances.argmin(axis=1)
     worst = float(distances[np.arange(len(times_s)), nearest].max())
     if worst > tolerance_s:
-        raise UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
+        raise errors.UsageError(f"{path}: no frame within {tolerance_s} s of {times_s.tolist()}")
     chosen = np.stack([pictures[i] for i in nearest]).transpose(0, 3, 1, 2)
     return chosen.astype(np.float32) / np.float32(255), len(pictures)
 
 
 class MapStyleVideoDataset:
-    """The map-style baseline (module docstring)."""
+    """Reads like LeRobot's ``LeRobotDataset`` with the ``pyav`` video backend: every data
+    Parquet file read into numpy arrays up front (as LeRobot loads its Arrow tables); per item,
+    the anchor's rows and windows by LeRobot's rule (``refstream.windows``) and, per camera,
+    :func:`decode_like_lerobot`. Items carry ``bench.decoded_frames`` (int64) so the bench can
+    count decodes."""
 
     def __init__(self, root: str | os.PathLike, delta_timestamps: dict[str, list[float]]) -> None:
         self.root = Path(root)
-        self.meta = load_meta(LocalSource(self.root))
-        self.windows = make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
-                                    feature_keys=self.meta.features)
+        self.meta = load_meta(source.LocalSource(self.root))
+        self.windows = windows.make_windows(delta_timestamps, self.meta.fps, TOLERANCE_S,
+                                            feature_keys=self.meta.features)
         relpaths = sorted({self.meta.data_relpath(int(e)) for e in self.meta.episode_index})
-        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths])
-        table = table.sort_by("index")
+        table = pa.concat_tables([pq.read_table(self.root / r) for r in relpaths]).sort_by("index")
         self.columns = {name: column_array(table[name], str(self.root / "data"), name)
                         for name in self.meta.parquet_keys}
         self.global_index = self.columns["index"]
@@ -108,15 +91,15 @@ class MapStyleVideoDataset:
         for key, values in self.columns.items():
             offsets = self.windows.get(key)
             if offsets is None:
-                item[key] = hf_to_torch(values[first + frame])
+                item[key] = worker.hf_to_torch(values[first + frame])
             else:
-                rows, is_pad = window_rows(offsets, frame, length)
-                item[key] = hf_to_torch(values[first + rows])
+                rows, is_pad = windows.window_rows(offsets, frame, length)
+                item[key] = worker.hf_to_torch(values[first + rows])
                 item[f"{key}_is_pad"] = torch.from_numpy(is_pad)
         decoded = 0
         for camera in meta.camera_keys:
             offsets = self.windows.get(camera, np.zeros(1, np.int64))
-            rows, is_pad = window_rows(offsets, frame, length)
+            rows, is_pad = windows.window_rows(offsets, frame, length)
             times_s = float(meta.video_from_s[camera][row]) + self.columns["timestamp"][
                 first + rows].astype(np.float64)
             pixels, count = decode_like_lerobot(
@@ -181,8 +164,10 @@ class Ceiling:
 
 
 def decode_ceiling(root: Path, meta: DatasetMeta, processes: int) -> Ceiling:
-    """The ceiling (module docstring), episodes dealt round-robin to the processes (the
-    DataLoader's worker count; at least one)."""
+    """What decoding alone costs, no loader around it: every episode of every camera decoded
+    with PyAV and each frame converted to FFmpeg's rgb24 (one reused single-threaded converter;
+    ``refstream.decode``'s frames equal it), episodes dealt round-robin to ``processes``
+    processes (the DataLoader's worker count; at least one)."""
     jobs = [(str(root / meta.video_relpath(int(e), camera)),
              float(meta.video_from_s[camera][i]), float(meta.video_to_s[camera][i]))
             for camera in meta.camera_keys for i, e in enumerate(meta.episode_index)]

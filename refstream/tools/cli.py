@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from refstream import __version__, planner, shard
+from refstream import __version__, planner, rng, shard
 from refstream.errors import RefstreamError, UsageError
-from refstream.rng import resolve_seed
 
 if TYPE_CHECKING:
     from refstream.sidecar import VideoIndex
@@ -30,11 +29,7 @@ ROOT_HELP = "dataset root: a folder, an http(s):// base URL or hf://datasets/OWN
 
 def _print_summary(summary: dict, as_json: bool) -> None:
     """A command's summary: one JSON object, or one ``key: value`` line per entry."""
-    if as_json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            print(f"{key}: {value}")
+    print(json.dumps(summary) if as_json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
 
 
 def _episode_ids(text: str | None) -> list[int] | None:
@@ -69,6 +64,11 @@ _COMMON.add_argument("-v", "--verbose", action="store_true", default=argparse.SU
                      help=VERBOSE_HELP)
 NUM_WORKERS = 2  # DataLoader workers of demo, stream and plan
 
+_JSON = argparse.ArgumentParser(add_help=False)
+_JSON.add_argument("--json", action="store_true", help="print the result as JSON")
+_ROOT = argparse.ArgumentParser(add_help=False)
+_ROOT.add_argument("root", help=ROOT_HELP)
+
 # The DataLoader of demo and stream.
 _LOADER = argparse.ArgumentParser(add_help=False)
 _LOADER.add_argument("--num-workers", type=int, default=NUM_WORKERS, help="DataLoader workers")
@@ -76,15 +76,13 @@ _LOADER.add_argument("--batch-size", type=int, default=8, help="DataLoader batch
 _LOADER.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 # The dataset and its order, as stream and plan take them (StreamingDataset's argument names).
-_ORDER = argparse.ArgumentParser(add_help=False)
-_ORDER.add_argument("root", help=ROOT_HELP)
+_ORDER = argparse.ArgumentParser(add_help=False, parents=[_ROOT])
 _ORDER.add_argument("--episodes", help="comma-separated episode ids (default: every episode)")
 _ORDER.add_argument("--seed", type=int, help="order seed (default: 42)")
 _ORDER.add_argument("--strategy", dest="sampling_strategy", default="pool",
                     choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
-_ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N",
-                    help="resident episodes per worker (default: 32 per rank, split over the "
-                    "workers)")
+_ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N", help="resident "
+                    "episodes per worker (default: 32 per rank, split over the workers)")
 
 
 def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Namespace], int],
@@ -95,12 +93,6 @@ def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Name
                                    formatter_class=_Formatter, parents=[_COMMON, *parents])
     parser.set_defaults(parser=parser, run=run, passthrough=False)
     return parser
-
-
-def one_line(exc: BaseException) -> str:
-    """``Class: message`` of a refstream error, on one line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             if exc.worker_traceback:
                 print(f"in the DataLoader worker:\n{exc.worker_traceback}", file=sys.stderr)
-        print(f"refstream {args.command}: {one_line(exc)}", file=sys.stderr)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"refstream {args.command}: {type(exc).__name__}: {first_line}", file=sys.stderr)
         return 2
 
 
@@ -136,11 +129,9 @@ def add_conformance(subparsers) -> None:
                  "(spec/run.py, the same runner)", run_conformance)
     p.add_argument("--impl", help="implementation command, run once per case inside the fixtures "
                    "folder (default: refstream itself, in-process)")
-    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source, with "
-                   "spec/run.py beside it (needed when refstream is installed: the fixtures are "
-                   "not part of the package)")
-    p.add_argument("--kind", action="append", default=[], help="only cases of this kind "
-                   "(repeatable)")
+    p.add_argument("--fixtures", help="the spec/fixtures folder of refstream's source, spec/run.py "
+                   "beside it (needed when refstream is installed: the package has no fixtures)")
+    p.add_argument("--kind", action="append", default=[], help="only KIND cases (repeatable)")
     p.add_argument("--case", action="append", default=[], metavar="PATTERN",
                    help="only this case: its path under the fixtures folder, with or without "
                    ".json, or a pattern such as 'meta/valid-*' (repeatable)")
@@ -163,9 +154,8 @@ def run_conformance(args) -> int:
 def add_demo(subparsers) -> None:
     p = _command(subparsers, "demo", "write a small AV1 dataset, serve it on loopback HTTP, "
                  "stream one epoch and verify every frame", run_demo, [_LOADER])
-    p.add_argument("--keep", "--workdir", dest="workdir", metavar="DIR",
-                   help="write the dataset into DIR and keep it (default: a temporary folder, "
-                   "removed at the end)")
+    p.add_argument("--keep", dest="workdir", metavar="DIR", help="write the dataset into DIR and "
+                   "keep it (default: a temporary folder, removed at the end)")
 
 
 def run_demo(args) -> int:
@@ -181,7 +171,7 @@ def run_demo(args) -> int:
 
 def add_stream(subparsers) -> None:
     p = _command(subparsers, "stream", "stream a dataset through a DataLoader and measure it",
-                 run_stream, [_ORDER, _LOADER])
+                 run_stream, [_ORDER, _LOADER, _JSON])
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream")
     p.add_argument("--max-samples", type=int, help="stop after exactly this many samples")
     p.add_argument("--delta-timestamps", metavar="JSON",
@@ -197,7 +187,6 @@ def add_stream(subparsers) -> None:
                    help="camera frames as uint8 (C, H, W) instead of LeRobot's float32 in [0, 1]")
     p.add_argument("--batched", action="store_true",
                    help="each worker yields ready batches (the fastest path)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 # The stream options that are StreamingDataset arguments of the same name.
@@ -221,8 +210,7 @@ def run_stream(args) -> int:
                 epochs=args.epochs, max_samples=args.max_samples, progress=not args.no_progress)
     summary = {"root": args.root, "episodes": dataset.num_episodes, "frames": dataset.num_frames,
                "batched": args.batched, "samples": m.samples, "batches": m.batches,
-               "seconds": round(m.seconds, 3),
-               "samples_per_s": round(m.samples_per_s, 1),
+               "seconds": round(m.seconds, 3), "samples_per_s": round(m.samples_per_s, 1),
                "first_sample_s": round(m.first_sample_s, 3)}
     _print_summary(summary, args.json)
     return 0
@@ -231,14 +219,13 @@ def run_stream(args) -> int:
 
 def add_plan(subparsers) -> None:
     p = _command(subparsers, "plan", "print a dataset's shard balance and anchor order",
-                 run_plan, [_ORDER])
+                 run_plan, [_ORDER, _JSON])
     p.add_argument("--world-size", type=int, default=1, help="distributed ranks")
     p.add_argument("--rank", type=int, default=0, help="the rank whose workers are shown")
     p.add_argument("--num-workers", type=int, default=NUM_WORKERS,
                    help="DataLoader workers per rank")
     p.add_argument("--epoch", type=int, default=0, help="the epoch planned")
     p.add_argument("--limit", type=int, default=20, help="anchors shown per worker, 0 for all")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run_plan(args) -> int:
@@ -251,17 +238,7 @@ def run_plan(args) -> int:
     with contextlib.closing(open_source(args.root)) as source:
         meta = load_meta(source)
     ids = select_episodes(meta, chosen)
-    frames = [meta.frames(e) for e in ids]
-    ranks = shard.lpt_partition(ids, frames, args.world_size)
-    empty = [str(r) for r, part in enumerate(ranks) if not sum(meta.frames(e) for e in part)]
-    if empty:  # said before the plan of this rank, which may fail for its own reasons
-        print(f"refstream plan: warning: rank(s) {', '.join(empty)} of world size "
-              f"{args.world_size} own no frames, and StreamingDataset raises ShardingError "
-              f"there; use a world size of at most {sum(f > 0 for f in frames)}", file=sys.stderr)
-    s = _plan_summary(
-        ids, frames, world_size=args.world_size, rank=args.rank,
-        num_workers=args.num_workers, seed=args.seed, epoch=args.epoch,
-        strategy=args.sampling_strategy, pool_size=args.episode_pool_size, limit=args.limit)
+    s = _plan_summary(args, ids, [meta.frames(e) for e in ids])
     if args.json:
         print(json.dumps(s))
         return 0
@@ -279,42 +256,44 @@ def run_plan(args) -> int:
     return 0
 
 
-def _plan_summary(episodes: Sequence[int], frames: Sequence[int], *, world_size: int, rank: int,
-                  num_workers: int, seed: int | None, epoch: int, strategy: str,
-                  pool_size: int | None, limit: int) -> dict:
-    """The shard balance of every rank, this rank's worker shares and each worker's first
-    ``limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
+def _plan_summary(args, episodes: list[int], frames: list[int]) -> dict:
+    """The shard balance of every rank, the worker shares of ``--rank`` and each worker's first
+    ``--limit`` anchors (0 = all) as a JSON-ready dict; no byte budget (sizes need the index)."""
     count = dict(zip(episodes, frames, strict=True))
-    ranks = shard.lpt_partition(episodes, frames, world_size)
-    share = shard.rank_share(episodes, frames, rank, world_size)
-    parts = shard.worker_shares(share, [count[e] for e in share], num_workers)
-    limits = shard.split_limits(num_workers, pool_size=pool_size, byte_budget=None,
-                                decoder_cache=None, cameras=0)
-    seed = resolve_seed(seed)
+    rank_frames = [sum(count[e] for e in part)
+                   for part in shard.lpt_partition(episodes, frames, args.world_size)]
+    empty = [str(r) for r, total in enumerate(rank_frames) if not total]
+    if empty:  # said before the plan of this rank, which may fail for its own reasons
+        print(f"refstream plan: warning: rank(s) {', '.join(empty)} of world size "
+              f"{args.world_size} own no frames, and StreamingDataset raises ShardingError "
+              f"there; use a world size of at most {sum(f > 0 for f in frames)}", file=sys.stderr)
+    share = shard.rank_share(episodes, frames, args.rank, args.world_size)
+    parts = shard.worker_shares(share, [count[e] for e in share], args.num_workers)
+    limits = shard.split_limits(args.num_workers, pool_size=args.episode_pool_size,
+                                byte_budget=None, decoder_cache=None, cameras=0)
+    seed = rng.resolve_seed(args.seed)
     workers = []
     for worker, part in enumerate(parts):
-        plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=epoch, rank=rank,
-                          worker=worker, strategy=strategy, pool_size=limits.pool_size)
-        take = plan.remaining if limit == 0 else min(limit, plan.remaining)
+        plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=args.epoch,
+                               rank=args.rank, worker=worker, strategy=args.sampling_strategy,
+                               pool_size=limits.pool_size)
+        take = plan.remaining if args.limit == 0 else min(args.limit, plan.remaining)
         anchors = [list(next(plan)) for _ in range(take)]
         workers.append({"worker": worker, "episodes": part, "frames": sum(count[e] for e in part),
                         "anchors": anchors})
-    return {"episodes": len(episodes), "frames": sum(frames), "world_size": world_size,
-            "rank": rank, "num_workers": num_workers, "seed": seed, "epoch": epoch,
-            "strategy": strategy, "pool_size": limits.pool_size,
-            "longest_episode": max(frames, default=0),
-            "rank_frames": [sum(count[e] for e in part) for part in ranks],
+    return {"episodes": len(episodes), "frames": sum(frames), "world_size": args.world_size,
+            "rank": args.rank, "num_workers": args.num_workers, "seed": seed, "epoch": args.epoch,
+            "strategy": args.sampling_strategy, "pool_size": limits.pool_size,
+            "longest_episode": max(frames, default=0), "rank_frames": rank_frames,
             "worker_frames": [w["frames"] for w in workers], "workers": workers}
 
 
-
 def add_index(subparsers) -> None:
-    p = _command(subparsers, "index", "build or refresh the video index of a dataset", run_index)
-    p.add_argument("root", help=ROOT_HELP)
+    p = _command(subparsers, "index", "build or refresh the video index of a dataset", run_index,
+                 [_ROOT, _JSON])
     p.add_argument("--output", help="also write the publishable index here; a maintainer "
                    "uploads it to the dataset as meta/refstream-index.npz")
     p.add_argument("--workers", type=int, default=8, help="files indexed in parallel")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run_index(args) -> int:
@@ -334,8 +313,7 @@ def run_index(args) -> int:
     summary = {"root": args.root, "origin": index.origin, "files": len(index.records),
                "indexed": index.indexed, "samples": samples,
                "video_bytes": sum(record.size for record in index.records.values()),
-               "seconds": round(seconds, 3),
-               "index_folder": str(sidecar.cache_folder()),
+               "seconds": round(seconds, 3), "index_folder": str(sidecar.cache_folder()),
                "index_bytes": sum(Path(path).stat().st_size for path in records)}
     if args.output:
         summary["output"] = str(export_index(index, args.output))
@@ -353,7 +331,6 @@ def draw_index_progress(done: int, total: int) -> None:
 def export_index(index: VideoIndex, output: str | Path) -> Path:
     """Write ``index``'s records to ``output`` as the publishable ZIP (SPEC §10.4), atomically;
     ``UsageError`` when a file has no stable identity (nothing could validate it)."""
-    import shutil
     import zipfile
 
     from refstream import sidecar
@@ -368,8 +345,7 @@ def export_index(index: VideoIndex, output: str | Path) -> Path:
         with zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
             for path in sorted({record.path for record in index.records.values()}):
                 info = zipfile.ZipInfo(Path(path).name, date_time=(1980, 1, 1, 0, 0, 0))
-                with open(path, "rb") as data, archive.open(info, "w") as member:
-                    shutil.copyfileobj(data, member)
+                archive.writestr(info, Path(path).read_bytes())
 
     sidecar.install(output, write)
     sidecar.fsync_directory(output.parent)
@@ -392,15 +368,13 @@ def run_inspect(args) -> int:
 
     if "://" in args.file:
         raise UsageError(f"{args.file}: inspect reads local MP4 files; download it first")
-    head = b""
-    with contextlib.suppress(OSError), open(args.file, "rb") as f:
-        head = f.read(8)
-    box_type = head[4:].decode("latin-1")  # an MP4 starts with a box: size, then its type
-    if len(head) == 8 and not (box_type.isascii() and box_type.isalnum()):
-        raise UsageError(f"{args.file}: not an MP4 file (it starts with {head!r}): inspect reads "
-                         "local MP4 files")
     try:
         with open(args.file, "rb") as f:
+            head = f.read(8)
+            box_type = head[4:].decode("latin-1")  # an MP4 starts with a box: size, then its type
+            if len(head) == 8 and not (box_type.isascii() and box_type.isalnum()):
+                raise UsageError(f"{args.file}: not an MP4 file (it starts with {head!r}): "
+                                 "inspect reads local MP4 files")
             report = describe(lambda offset, length: os.pread(f.fileno(), length, offset),
                               os.fstat(f.fileno()).st_size, args.file)
     except OSError as exc:
@@ -433,20 +407,16 @@ def run_inspect(args) -> int:
 
 
 def add_doctor(subparsers) -> None:
-    p = _command(subparsers, "doctor",
-                 "check a dataset before training on it (exit 0: safe to train, 1: not)",
-                 run_doctor)
-    p.add_argument("root", help=ROOT_HELP)
+    p = _command(subparsers, "doctor", "check a dataset before training on it (exit 0: safe to "
+                 "train, 1: not)", run_doctor, [_ROOT, _JSON])
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
     p.add_argument("--decode", choices=("keyframes", "all"), default="keyframes",
                    help="decode every keyframe alone, or every frame the rows request")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_doctor(args) -> int:
-
     from refstream.roots import open_source
     from refstream.tools.doctor import check_dataset, unreadable
 
@@ -457,20 +427,17 @@ def run_doctor(args) -> int:
     else:
         with contextlib.closing(source):
             report = check_dataset(source, root=args.root, tolerance_s=args.tolerance_s,
-                                   progress=False if args.no_progress else None,
-                                   decode=args.decode)
+                                   progress=False if args.no_progress else None, decode=args.decode)
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return 0 if report.ok else 1
 
 
 
 def add_bench(subparsers) -> None:
-    p = _command(subparsers, "bench",
-                 "measure refstream side by side with map-style reading and the decode "
-                 "ceiling, and its memory", run_bench)
+    p = _command(subparsers, "bench", "measure refstream side by side with map-style reading "
+                 "and the decode ceiling, and its memory", run_bench, [_JSON])
     p.add_argument("--root", help="measure this dataset folder instead of generating one")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny configuration that runs in seconds")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration that runs in seconds")
     for name, kind, text in (
             ("episodes", int, "episodes of the generated dataset"),
             ("frames-per-episode", int, "frames of each generated episode"),
@@ -487,8 +454,10 @@ def add_bench(subparsers) -> None:
     p.add_argument("--resolution", help=_bench_default("WxH of every camera", "width", "height"))
     p.add_argument("--codec", choices=["av1", "h264"],
                    help=_bench_default("codec of the generated videos", "codec"))
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", help="write a PNG of samples and memory over time (matplotlib)")
+    p.add_argument("--first-batch", action="store_true",
+                   help="instead: the time to first batch alone, of the configured dataset and "
+                        "of 8 times its episodes (2 with --quick), in turn")
     p.add_argument("--scale", choices=["droid"],
                    help="instead: index build, construction and worker memory on a DROID-sized "
                         "simulation (sparse videos: no sample can be decoded from it); uses "
@@ -513,7 +482,6 @@ def _bench_progress(message: str) -> None:
 
 
 def run_bench(args) -> int:
-
     from refstream.tools.bench import BenchConfig, plot
     from refstream.tools.bench import run_bench as bench
 
@@ -537,6 +505,11 @@ def run_bench(args) -> int:
             raise UsageError(f"--resolution: expected WxH such as 320x240, got {args.resolution}")
         overrides.update(width=int(width), height=int(height))
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    if args.first_batch:
+        from refstream.tools.bench import run_first_batch
+
+        print("\n".join(run_first_batch(config, progress=_bench_progress)))
+        return 0
     report = bench(config, progress=_bench_progress)
     print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
     if args.plot and not plot(report, args.plot):

@@ -2,14 +2,10 @@
 
 The runner and the comparison rule are ``spec/run.py`` (standard library only, beside the
 fixtures: :func:`load_runner` loads it from there), so ``refstream conformance`` and
-``python3 spec/run.py`` are one runner. The protocol (an implementation is a command run once
-per case), the encoding and the case format are in ``spec/README.md``, the kinds in
-``spec/SPEC.md``.
-
-refstream's own adapter (``python -m refstream.tools.conformance``, :func:`main_adapter`) answers
-one case through the protocol; with no ``--impl`` the command calls the same adapters in-process
-(:func:`in_process`), through the same JSON round trip. The fixtures are not part of the
-installed package: an installed refstream needs ``--fixtures`` (:func:`fixtures_folder` says so).
+``python3 spec/run.py`` are one runner; the protocol is in ``spec/README.md``, the kinds in
+``spec/SPEC.md``. refstream's own adapter answers one case through the protocol
+(``python -m refstream.tools.conformance``) or in-process (:func:`in_process`), through the same
+JSON round trip. An installed refstream needs ``--fixtures``: the fixtures are not installed.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -25,8 +20,7 @@ from types import ModuleType
 from refstream.errors import UsageError
 from refstream.tools.adapters import ADAPTERS, FIXTURES_DIR, answer
 
-__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_runner", "load_cases",
-           "first_difference", "run", "via_command", "in_process"]
+__all__ = ["ADAPTERS", "FIXTURES_DIR", "answer", "fixtures_folder", "load_runner", "in_process"]
 
 
 def fixtures_folder(path: str | Path | None = None) -> Path:
@@ -57,23 +51,12 @@ def load_runner(fixtures: Path = FIXTURES_DIR) -> ModuleType:
 
 
 def load_cases(root: Path = FIXTURES_DIR, kind: str | None = None) -> list:
-    """Every case under ``root`` (the runner's ``Case``), optionally only those of one kind."""
     return load_runner(root).load_cases(root, [kind] if kind else [])
 
 
 def first_difference(expected, actual) -> str | None:
     """The runner's comparison rule (``spec/README.md``, "Comparing answers")."""
     return load_runner().first_difference(expected, actual)
-
-
-def run(cases: list, ask: Callable) -> list:
-    """Every case's outcome (``.case``, ``.difference``) through ``ask``."""
-    return list(load_runner(cases[0].root).run(cases, ask)) if cases else []
-
-
-def via_command(command: str, fixtures: Path = FIXTURES_DIR) -> Callable:
-    """Ask an implementation command, one process per case, run inside ``fixtures``."""
-    return load_runner(fixtures).via_command(command, fixtures)
 
 
 def in_process(case) -> dict:

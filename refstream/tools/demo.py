@@ -1,11 +1,9 @@
 """A small, real LeRobot v3 dataset and a loopback HTTP server to stream it from; for
 ``refstream demo``, the bench and the tests, not the streaming path.
 
-``write_demo_dataset(root, ...)`` writes the layout LeRobot's recorder writes (``meta/info.json``,
-``meta/stats.json``, ``meta/tasks.parquet``, ``meta/episodes/chunk-000/file-000.parquet`` (or
-several such files) with its ``stats/*`` columns, data Parquet with one row group per episode,
-videos). Like LeRobot, each episode is encoded as its own video with PyAV and the episodes of a
-file are concatenated packet by packet, each starting at the previous one's ``to_timestamp``.
+``write_demo_dataset(root, ...)`` writes what LeRobot's recorder writes (``meta/``, data Parquet
+with one row group per episode, videos); like LeRobot, it encodes each episode as its own video
+and concatenates the episodes of a file packet by packet, each at the previous ``to_timestamp``.
 
 Every frame carries its label (:func:`frame_picture`, flat grey blocks laid out as the
 ``LABEL_*`` constants say): the top row the episode id, the middle row the frame index. Flat
@@ -16,9 +14,7 @@ frame / 1000`` (float32), task ``TASKS[episode % 2]``.
 
 ``serve_directory(root)`` serves a folder on ``127.0.0.1`` (HTTP/1.1 keep-alive, ``HEAD``/``GET``,
 one ``Range`` per request, a strong ``ETag``) and yields a :class:`LoopbackServer` that logs every
-request; its ``route`` may answer other paths (the bench's emulated Hub), its ``hold`` may keep a
-request waiting. ``consume(dataset, ...)`` streams through a DataLoader and measures it
-(``refstream stream``); ``run_demo()`` is ``refstream demo``.
+request; :func:`consume` measures ``refstream stream``, :func:`run_demo` is ``refstream demo``.
 """
 
 from __future__ import annotations
@@ -44,11 +40,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refstream.meta import next_file
+from refstream.meta import EPISODES_PATH
 
-__all__ = ["TASKS", "LABEL_TOLERANCE", "write_demo_dataset", "frame_picture", "read_frame_label",
-           "info_document", "LoopbackServer", "serve_directory", "environment",
-           "StreamMeasurement", "consume", "DemoReport", "run_demo"]
+__all__ = ["write_demo_dataset", "read_frame_label", "serve_directory", "consume", "run_demo"]
 
 TASKS = ("pick the cube", "place the cube")
 CHUNKS_SIZE = 1000  # LeRobot's DEFAULT_CHUNK_SIZE: files per chunk directory
@@ -157,8 +151,7 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
     reductions = {"min": np.min, "max": np.max, "mean": np.mean, "std": np.std}
     out = {name: reduce(data, axis=axes, keepdims=keep) for name, reduce in reductions.items()}
     out["count"] = np.array([values.shape[0]], dtype=np.int64)
-    for name, q in QUANTILES.items():
-        out[name] = np.quantile(data, q, axis=axes, keepdims=keep)
+    out |= {name: np.quantile(data, q, axis=axes, keepdims=keep) for name, q in QUANTILES.items()}
     if keep:  # images: (1, C, 1, 1) -> (C, 1, 1)
         out = {k: (v[0] if k != "count" else v) for k, v in out.items()}
     return out
@@ -168,12 +161,9 @@ def _stats(values: np.ndarray, keep_axes: tuple[int, ...] = ()) -> dict[str, np.
 
 
 def _encoder_options(codec: str, gop: int, bframes: int) -> dict[str, str]:
-    options = {"g": str(gop), "crf": str(ENCODER_CRF[codec])}
-    if codec == "libsvtav1":
-        options["preset"] = str(SVT_PRESET)
-    else:
-        options["bf"] = str(bframes)
-    return options
+    options = {"g": gop, "crf": ENCODER_CRF[codec],
+               **({"preset": SVT_PRESET} if codec == "libsvtav1" else {"bf": bframes})}
+    return {name: str(value) for name, value in options.items()}
 
 
 @contextlib.contextmanager
@@ -270,8 +260,7 @@ def _episode_rows(episode: int, length: int, first_index: int, fps: int) -> dict
     action = np.repeat((episode + frame / 1000).astype(np.float32)[:, None], 6, axis=1)
     return {"observation.state": state, "action": action,
             "timestamp": (frame / fps).astype(np.float32), "frame_index": frame,
-            "episode_index": np.full(length, episode, dtype=np.int64),
-            "index": first_index + frame,
+            "episode_index": np.full(length, episode, dtype=np.int64), "index": first_index + frame,
             "task_index": np.full(length, episode % len(TASKS), dtype=np.int64)}
 
 
@@ -284,30 +273,22 @@ def fixed_size_lists(values: np.ndarray) -> pa.Array:
 
 
 def _tasks_table() -> pa.Table:
-    """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape)."""
-    pandas_metadata = {
-        "index_columns": ["task"],
-        "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
-                            "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
-        "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
-                     "numpy_type": "int64", "metadata": None},
-                    {"name": "task", "field_name": "task", "pandas_type": "unicode",
-                     "numpy_type": "object", "metadata": None}],
-        "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__},
-        "pandas_version": "2.3.3"}
+    """``meta/tasks.parquet`` as pandas writes a frame indexed by ``task`` (LeRobot's shape): the
+    schema's pandas metadata names the index column, which is all pandas reads back."""
+    index = {"name": "task", "field_name": "task", "pandas_type": "unicode",
+             "numpy_type": "object", "metadata": None}
+    pandas_metadata = {"index_columns": ["task"], "column_indexes": [], "columns": [index]}
     schema = pa.schema([pa.field("task_index", pa.int64()), pa.field("task", pa.string())],
                        metadata={b"pandas": json.dumps(pandas_metadata).encode()})
     return pa.table([list(range(len(TASKS))), list(TASKS)], schema=schema)
 
 
-def _file_indices(count: int, per_file: int) -> list[tuple[int, int]]:
-    """(chunk, file) of each of ``count`` episodes placed ``per_file`` to a file."""
-    out, chunk, file = [], 0, 0
-    for episode in range(count):
-        if episode and episode % per_file == 0:
-            chunk, file = next_file(chunk, file, CHUNKS_SIZE)
-        out.append((chunk, file))
-    return out
+def file_place(numbers, key: str = "") -> dict:
+    """``chunk_index`` and ``file_index`` of file ``numbers`` (counted over every chunk, as
+    LeRobot rolls files over), prefixed by ``key/`` when given (episodes table columns)."""
+    prefix = f"{key}/" if key else ""
+    return {f"{prefix}chunk_index": numbers // CHUNKS_SIZE,
+            f"{prefix}file_index": numbers % CHUNKS_SIZE}
 
 
 # --- the dataset ----------------------------------------------------------------------------
@@ -335,9 +316,10 @@ def write_demo_dataset(root: str | os.PathLike, *,
     root = Path(root)
     features = _features(sizes, fps, codec, gop, bframes)
     first_index = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    data_files = _file_indices(len(lengths), episodes_per_data_file)
-    video_files = _file_indices(len(lengths), episodes_per_video_file)
-    meta_files = _file_indices(len(lengths), episodes_per_meta_file or len(lengths))
+    # Each episode's file number: the episodes fill files in order, so many to a file.
+    data_files = np.arange(len(lengths)) // episodes_per_data_file
+    video_files = np.arange(len(lengths)) // episodes_per_video_file
+    meta_files = np.arange(len(lengths)) // (episodes_per_meta_file or len(lengths))
     rows = [_episode_rows(e, n, int(first_index[e]), fps) for e, n in enumerate(lengths)]
 
     _write_data(root, rows, data_files, features)
@@ -353,10 +335,9 @@ def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
               bframes: int) -> dict:
     features: dict = {}
     for camera, (width, height) in sizes.items():
-        info = {"video.height": height, "video.width": width,
-                "video.codec": ENCODER_NAMES[codec], "video.pix_fmt": "yuv420p",
-                "video.fps": fps, "video.channels": 3, "has_audio": False, "video.g": gop,
-                "video.crf": ENCODER_CRF[codec],
+        info = {"video.height": height, "video.width": width, "video.codec": ENCODER_NAMES[codec],
+                "video.pix_fmt": "yuv420p", "video.fps": fps, "video.channels": 3,
+                "has_audio": False, "video.g": gop, "video.crf": ENCODER_CRF[codec],
                 "video.preset": SVT_PRESET if codec == "libsvtav1" else None,
                 "video.fast_decode": 0, "video.video_backend": "pyav",
                 "video.extra_options": {} if codec == "libsvtav1" else {"bf": bframes},
@@ -371,39 +352,35 @@ def _features(sizes: dict[str, tuple[int, int]], fps: int, codec: str, gop: int,
     return features
 
 
-def _write_data(root: Path, rows: list[dict], data_files: list[tuple[int, int]],
-                features: dict) -> None:
+def _write_data(root: Path, rows: list[dict], data_files: np.ndarray, features: dict) -> None:
     schema = _data_schema(features)
-    for chunk_file in sorted(set(data_files)):
-        path = root / DATA_PATH.format(chunk_index=chunk_file[0], file_index=chunk_file[1])
+    for number in sorted(set(data_files.tolist())):
+        path = root / DATA_PATH.format(**file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
         # One write_table per episode: one row group per episode, like LeRobot's recorder.
         with pq.ParquetWriter(path, schema, compression="snappy") as writer:
-            for episode, placed in enumerate(data_files):
-                if placed == chunk_file:
-                    columns = [fixed_size_lists(rows[episode][name]) for name in schema.names]
-                    writer.write_table(pa.Table.from_arrays(columns, schema=schema))
+            for episode in np.flatnonzero(data_files == number).tolist():
+                columns = [fixed_size_lists(rows[episode][name]) for name in schema.names]
+                writer.write_table(pa.Table.from_arrays(columns, schema=schema))
 
 
 def _write_videos(root: Path, lengths: list[int], sizes: dict[str, tuple[int, int]], fps: int,
-                  codec: str, options: dict[str, str], video_files: list[tuple[int, int]]) -> None:
+                  codec: str, options: dict[str, str], video_files: np.ndarray) -> None:
     for camera, (width, height) in sizes.items():
-        for chunk_file in sorted(set(video_files)):
-            members = [e for e, placed in enumerate(video_files) if placed == chunk_file]
+        for number in sorted(set(video_files.tolist())):
+            members = np.flatnonzero(video_files == number).tolist()
             videos = [
                 _encode_episode([frame_picture(e, f, width, height) for f in range(lengths[e])],
                                 fps, options, codec)
                 for e in members
             ]
-            path = root / VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0],
-                                            file_index=chunk_file[1])
+            path = root / VIDEO_PATH.format(video_key=camera, **file_place(number))
             _concatenate(videos, [lengths[e] for e in members], fps, path)
 
 
 def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.ndarray,
-                    rows: list[dict], data_files: list[tuple[int, int]],
-                    video_files: list[tuple[int, int]], meta_files: list[tuple[int, int]],
-                    sizes: dict[str, tuple[int, int]]) -> None:
+                    rows: list[dict], data_files: np.ndarray, video_files: np.ndarray,
+                    meta_files: np.ndarray, sizes: dict[str, tuple[int, int]]) -> None:
     # Each episode's (from_s, to_s) in its video file: it starts where the previous one ended.
     times = []
     for e, placed in enumerate(video_files):
@@ -411,31 +388,25 @@ def _write_episodes(root: Path, lengths: list[int], fps: int, first_index: np.nd
         times.append((from_s, from_s + lengths[e] / fps))
     columns: dict[str, list] = {
         "episode_index": list(range(len(lengths))),
-        "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],
-        "length": lengths,
-        "data/chunk_index": [c for c, _ in data_files],
-        "data/file_index": [f for _, f in data_files],
-        "dataset_from_index": first_index[:-1].tolist(),
+        "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))], "length": lengths,
+        **file_place(data_files, "data"), "dataset_from_index": first_index[:-1].tolist(),
         "dataset_to_index": first_index[1:].tolist(),
     }
     for camera in sizes:
-        columns[f"videos/{camera}/chunk_index"] = [c for c, _ in video_files]
-        columns[f"videos/{camera}/file_index"] = [f for _, f in video_files]
+        columns |= file_place(video_files, f"videos/{camera}")
         columns[f"videos/{camera}/from_timestamp"] = [t[0] for t in times]
         columns[f"videos/{camera}/to_timestamp"] = [t[1] for t in times]
     per_episode = [_episode_stats(r, sizes) for r in rows]
     for name in per_episode[0]:
         for stat in per_episode[0][name]:
             columns[f"stats/{name}/{stat}"] = [s[name][stat].tolist() for s in per_episode]
-    columns["meta/episodes/chunk_index"] = [c for c, _ in meta_files]
-    columns["meta/episodes/file_index"] = [f for _, f in meta_files]
+    columns |= file_place(meta_files, "meta/episodes")
     types = {"tasks": pa.list_(pa.string())}
     table = pa.table({k: pa.array(v, type=types.get(k)) for k, v in columns.items()})
-    for chunk, file in sorted(set(meta_files)):
-        rows_of_file = [e for e, placed in enumerate(meta_files) if placed == (chunk, file)]
-        path = root / "meta" / "episodes" / f"chunk-{chunk:03d}" / f"file-{file:03d}.parquet"
+    for number in sorted(set(meta_files.tolist())):
+        path = root / EPISODES_PATH.format(**file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table.take(rows_of_file), path)
+        pq.write_table(table.take(np.flatnonzero(meta_files == number)), path)
 
 
 def _episode_stats(rows: dict[str, np.ndarray],
@@ -571,27 +542,25 @@ def _handler_class(server_state: LoopbackServer) -> type[BaseHTTPRequestHandler]
             size = stat.st_size
             headers = {"ETag": f'"{size:x}-{stat.st_mtime_ns:x}"', "Accept-Ranges": "bytes",
                        "Content-Type": "application/octet-stream"}
+            status, first, last = HTTPStatus.OK, 0, size - 1
             range_header = self.headers.get("Range")
-            if range_header is None or "," in range_header:
-                # No range, or several: RFC 9110 lets a server ignore Range and send it all.
-                headers["Content-Length"] = str(size)
-                self._finish(HTTPStatus.OK, headers, path.read_bytes() if send_body else b"",
-                             send_body)
-                return
-            bounds = _parse_range(range_header, size)
-            if bounds is None:
-                headers["Content-Range"] = f"bytes */{size}"
-                self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"", send_body)
-                return
-            first, last = bounds
+            # No range, or several: RFC 9110 lets a server ignore Range and send it all.
+            if range_header is not None and "," not in range_header:
+                bounds = _parse_range(range_header, size)
+                if bounds is None:
+                    headers["Content-Range"] = f"bytes */{size}"
+                    self._finish(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, headers, b"",
+                                 send_body)
+                    return
+                status, (first, last) = HTTPStatus.PARTIAL_CONTENT, bounds
+                headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+            headers["Content-Length"] = str(last - first + 1)
             body = b""
             if send_body:
                 with path.open("rb") as handle:
                     handle.seek(first)
                     body = handle.read(last - first + 1)
-            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-            headers["Content-Length"] = str(last - first + 1)
-            self._finish(HTTPStatus.PARTIAL_CONTENT, headers, body, send_body)
+            self._finish(status, headers, body, send_body)
 
     return Handler
 
@@ -613,8 +582,7 @@ def serve_directory(root: str | os.PathLike) -> Iterator[LoopbackServer]:
     state = LoopbackServer(root=Path(root))
     server = _LoopbackHTTPServer(("127.0.0.1", 0), _handler_class(state))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback",
-                              daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="refstream-loopback", daemon=True)
     thread.start()
     try:
         yield state
@@ -652,30 +620,29 @@ def consume(dataset, *, num_workers: int, batch_size: int, epochs: int = 1,
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None if dataset.batched else
                                          batch_size, num_workers=num_workers)
-    total = dataset.rank_frames * epochs
-    with tqdm(total=min(total, max_samples or total), unit="sample", disable=not progress,
-              dynamic_ncols=True) as bar:
-        samples = batches = 0
-        first_s = None
-        start = time.perf_counter()
+    limit = float("inf") if max_samples is None else max_samples
+    samples = batches = 0
+    first_s = None
+    start = time.perf_counter()
+    with tqdm(total=min(dataset.rank_frames * epochs, limit), unit="sample",
+              disable=not progress, dynamic_ncols=True) as bar:
         for epoch in range(epochs):
             dataset.set_epoch(epoch)
             batches_of_epoch = iter(loader)
             for batch in batches_of_epoch:
                 if first_s is None:
                     first_s = time.perf_counter() - start
-                count = len(batch["index"]) if "index" in batch else batch_size
-                if max_samples is not None:
-                    count = min(count, max_samples - samples)
+                count = min(len(batch["index"]) if "index" in batch else batch_size,
+                            limit - samples)
                 samples += count
                 batches += 1
                 bar.update(count)
                 if on_batch is not None:
                     on_batch(batch)
-                if max_samples is not None and samples >= max_samples:
+                if samples >= limit:
                     break
             del batches_of_epoch  # shuts the workers down
-            if max_samples is not None and samples >= max_samples:
+            if samples >= limit:
                 break
     seconds = time.perf_counter() - start
     return StreamMeasurement(samples, batches, seconds, first_s or 0.0)
@@ -742,25 +709,22 @@ def run_demo(workdir: str | os.PathLike | None = None, *, num_workers: int = 2,
         write_demo_dataset(root, episode_lengths=DEMO_EPISODE_LENGTHS,
                            episodes_per_video_file=DEMO_EPISODES_PER_VIDEO_FILE,
                            episodes_per_data_file=DEMO_EPISODES_PER_DATA_FILE)
-        files = [p for p in root.rglob("*") if p.is_file()]
-        video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
         # The sidecar cache goes with the demo's files: the loopback URL changes on every run.
         stack.enter_context(environment("REFSTREAM_CACHE", str(Path(workdir) / "cache")))
         server = stack.enter_context(serve_directory(root))
-        return _stream_and_check(root, kept, server, files, video_bytes, num_workers,
-                                 batch_size, progress)
+        return _stream_and_check(root, kept, server, num_workers, batch_size, progress)
 
 
 def environment(name: str, value: str) -> contextlib.AbstractContextManager:
-    """The environment variable ``name`` set to ``value`` until the block exits."""
     return mock.patch.dict(os.environ, {name: value})
 
 
-def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: list[Path],
-                      video_bytes: int, num_workers: int, batch_size: int,
-                      progress: bool) -> DemoReport:
+def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, num_workers: int,
+                      batch_size: int, progress: bool) -> DemoReport:
     from refstream.stream import GIB, StreamingDataset
 
+    files = [p for p in root.rglob("*") if p.is_file()]
+    video_bytes = sum(p.stat().st_size for p in files if p.suffix == ".mp4")
     lengths = DEMO_EPISODE_LENGTHS
     starts = np.concatenate([[0], np.cumsum(lengths)])
     budget_gb = DEMO_BUDGET_FRACTION * video_bytes / GIB
@@ -769,10 +733,8 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
     cameras = dataset.meta.camera_keys
     seen: list[tuple[int, int]] = []
     problems: list[str] = []
-    checked = 0
 
     def check(batch: dict) -> None:
-        nonlocal checked
         for i in range(len(batch["index"])):
             e, f = int(batch["episode_index"][i]), int(batch["frame_index"][i])
             seen.append((e, f))
@@ -781,7 +743,6 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
                 problems.append(f"rows of episode {e} frame {f} belong to another anchor")
             for camera in cameras:
                 label = read_frame_label(batch[camera][i].numpy())
-                checked += 1
                 if label != (e, f):
                     problems.append(f"{camera} of episode {e} frame {f} shows {label}")
 
@@ -799,5 +760,5 @@ def _stream_and_check(root: Path, kept: bool, server: LoopbackServer, files: lis
         video_files=sum(1 for p in files if p.suffix == ".mp4"),
         dataset_bytes=sum(p.stat().st_size for p in files), video_bytes=video_bytes,
         measurement=measurement, requests=len(server.log), setup_requests=setup_requests,
-        video_span_requests=video_spans, body_bytes=server.body_bytes, checked_frames=checked,
-        problems=problems)
+        video_span_requests=video_spans, body_bytes=server.body_bytes,
+        checked_frames=len(seen) * len(cameras), problems=problems)

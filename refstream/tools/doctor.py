@@ -1,22 +1,11 @@
 """``refstream doctor``: is a dataset safe to train on? Checked before anyone trains (SPEC §11).
 
-Usage (``refstream doctor ROOT|URL [--decode all] [--json]`` does the same from the shell)::
-
-    source = refstream.roots.open_source(root)
-    report = check_dataset(source, root=root)   # a broken dataset gives failed checks, no raise
-    report.ok                                   # True when every check passed
-    report.not_checked                          # what was not checked (empty: safe to train)
-    print(report.table())                       # or json.dumps(report.as_dict())
-
-The dataset is only read, never written. Each check is one :class:`Check` row of the
-:class:`Report`, in :data:`CHECK_NAMES` order, each the rule of its SPEC section: metadata
-(§11.2), episode boundaries (§11.3, :func:`episode_tiling`), data rows (§11.4: every feature column
-is converted as streaming converts it, so a page that does not decode is named here), videos
-(§11.5: the one "frame serves time" rule of :mod:`refstream.synth`, the streaming path's span
-and frame-rate rules, info.json's size and codec of each camera against its tracks), sidecar
-(§11.6) and decoding (§11.7: refstream's own decoder on mini-MP4s made as streaming makes them,
-of every keyframe or, with ``decode="all"``, of every frame the rows request). A check lists its
-first :data:`MAX_LISTED_PROBLEMS` problems and counts all of them.
+``check_dataset(source, root=root)`` only reads the dataset and returns a :class:`Report` (a
+broken dataset gives failed checks, no raise): one :class:`Check` row per check, in
+:data:`CHECK_NAMES` order, each the rule of its section of SPEC §11. The checks use streaming's
+own rules: the rows are converted as streaming converts them, a video frame serves a time by the
+one rule of :mod:`refstream.synth`, and decoding is refstream's decoder on mini-MP4s made as
+streaming makes them. A check lists its first :data:`MAX_LISTED_PROBLEMS` problems and counts all.
 """
 
 from __future__ import annotations
@@ -34,24 +23,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refstream import sidecar, synth
+from refstream import errors, sidecar, synth, windows
 from refstream.decode import EpisodeDecoder
-from refstream.errors import (
-    DatasetError,
-    FrameNotFound,
-    MalformedDataset,
-    RefstreamError,
-    SidecarInvalid,
-    TableError,
-    UsageError,
-)
 from refstream.meta import DatasetMeta, column_array, index_column, load_meta
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
-from refstream.windows import check_tolerance
 
-__all__ = ["Check", "Report", "check_dataset", "Tiling", "episode_tiling", "MAX_LISTED_PROBLEMS",
-           "CHECK_NAMES", "DECODE_MODES"]
+__all__ = ["check_dataset", "Report", "Check", "episode_tiling"]
 
 MAX_LISTED_PROBLEMS = 20  # enough to see a pattern; the count says how many more there are
 CHECK_NAMES = ("metadata", "episode boundaries", "data rows", "videos", "sidecar", "decoding")
@@ -68,8 +46,6 @@ Tick = Callable[[str], None]  # called once per file read, with its relpath
 
 @dataclass(frozen=True)
 class Check:
-    """One row of the report."""
-
     name: str
     ok: bool
     detail: str
@@ -142,13 +118,13 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     """The report of every check on ``source``, named by ``root`` (as training is given it);
     ``progress``: a bar on stderr (None: if it is a terminal); ``cache_root`` as
     :func:`refstream.sidecar.cache_folder` takes it; ``decode``: one of :data:`DECODE_MODES`."""
-    tolerance_s = check_tolerance(tolerance_s)
+    tolerance_s = windows.check_tolerance(tolerance_s)
     if decode not in DECODE_MODES:
-        raise UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        raise errors.UsageError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     label = str(root) if root is not None else repr(source)
     try:
         meta = load_meta(source)
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         return unreadable(label, exc)
     video_relpaths = sidecar.video_relpaths(meta)
     files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index))
@@ -165,7 +141,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
     return Report(label, checks, list(dict.fromkeys(not_checked)))
 
 
-def unreadable(label: str, exc: RefstreamError) -> Report:
+def unreadable(label: str, exc: errors.RefstreamError) -> Report:
     """The report on a dataset whose metadata cannot be read (or whose root cannot be opened):
     the metadata check fails with the error, every other check is skipped."""
     failed = Check("metadata", False, "cannot load the metadata",
@@ -177,7 +153,6 @@ def unreadable(label: str, exc: RefstreamError) -> Report:
 
 @contextmanager
 def _progress_bar(total: int, show: bool | None) -> Iterator[Tick]:
-    """A tick per file read, drawn as a bar on stderr if ``show`` (None: if it is a terminal)."""
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if show is None else show
@@ -239,8 +214,7 @@ def episode_tiling(episode_index: np.ndarray, from_index: np.ndarray, to_index: 
 
 def _check_boundaries(meta: DatasetMeta) -> Check:
     problems = _Problems()
-    tiling = episode_tiling(meta.episode_index, meta.from_index, meta.to_index,
-                            meta.total_frames)
+    tiling = episode_tiling(meta.episode_index, meta.from_index, meta.to_index, meta.total_frames)
     faults = [(start, f"gap: frames [{start}, {end}) belong to no episode ("
                + (f"after episode {before}" if before is not None else "at the start")
                + (f", before episode {after})" if after is not None else ", at the end)"))
@@ -303,13 +277,13 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
             return None
         wanted = [*ROW_COLUMNS, *([TASK_COLUMN] if TASK_COLUMN in names else [])]
         wanted += [key for key in features if key in names and key not in wanted]
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         problems.add(f"{relpath}: {type(exc).__name__}: {exc}")
         return None
     except (pa.ArrowException, OSError) as exc:
         problems.add(f"{relpath}: not a readable Parquet file ({exc})")
         return None
-    columns, broken = {}, False
+    columns = {}
     for name in wanted:
         try:
             # One thread: reads go through a Python file object, and Arrow's thread pool can
@@ -319,14 +293,12 @@ def _read_row_columns(source: Source, relpath: str, features: list[str],
                 columns[name] = index_column(table, name, relpath)
             else:
                 column_array(table[name], relpath, name)
-        except RefstreamError as exc:
-            problems.add(str(exc) if isinstance(exc, DatasetError) else
+        except errors.RefstreamError as exc:
+            problems.add(str(exc) if isinstance(exc, errors.DatasetError) else
                          f"{relpath}: column {name!r}: {type(exc).__name__}: {exc}")
-            broken = True
         except (pa.ArrowException, OSError) as exc:
             problems.add(f"{relpath}: column {name!r} does not decode ({exc})")
-            broken = True
-    return None if broken and not set(ROW_COLUMNS) <= set(columns) else columns
+    return columns if set(ROW_COLUMNS) <= set(columns) else None
 
 
 def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
@@ -336,8 +308,7 @@ def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
     order = np.argsort(ids, kind="stable")  # stable: each episode's rows stay in file order
     present, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
     rows_of = {int(e): order[s : s + n] for e, s, n in zip(present, starts, counts, strict=True)}
-    expected = set(episodes)
-    for episode in sorted(set(rows_of) - expected):
+    for episode in sorted(set(rows_of) - set(episodes)):
         where = (f"which meta/episodes places in {home[episode]}" if episode in home
                  else "which is not in meta/episodes")
         problems.add(f"{relpath}: {len(rows_of[episode])} row(s) of episode {episode}, {where}")
@@ -381,7 +352,6 @@ def _check_file_rows(meta: DatasetMeta, relpath: str, episodes: list[int],
 
 
 def _video_users(meta: DatasetMeta) -> dict[str, list[tuple[int, str]]]:
-    """Each video file's (episode, camera) pairs."""
     users: dict[str, list[tuple[int, str]]] = {}
     for episode in meta.episode_index.tolist():
         for camera in meta.camera_keys:
@@ -404,7 +374,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             indexes[relpath] = parse_index(
                 lambda offset, length, p=relpath: source.read_range(p, offset, length),
                 size, relpath)
-        except RefstreamError as exc:
+        except errors.RefstreamError as exc:
             episodes = sorted({episode for episode, _ in users[relpath]})
             problems.add(f"{relpath} ({_ids(episodes)}): {type(exc).__name__}: {exc}")
             continue
@@ -416,7 +386,7 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
         try:
             synth.check_frame_rate(indexes[relpath].pts, indexes[relpath].timescale, meta.fps,
                                    relpath)
-        except MalformedDataset as exc:
+        except errors.MalformedDataset as exc:
             problems.add(str(exc))
             continue  # every request time of the file is off its frames
         for episode, camera in users[relpath]:
@@ -424,13 +394,11 @@ def _check_videos(source: Source, meta: DatasetMeta, timestamps: dict[int, np.nd
             if seconds is None:
                 seconds = np.arange(meta.frames(episode), dtype=np.float64) / meta.fps
             requests += len(seconds)
-            problem = _episode_video_problem(meta, indexes, episode, camera, seconds,
-                                             tolerance_s)
+            problem = _episode_video_problem(meta, indexes, episode, camera, seconds, tolerance_s)
             if problem is not None:
                 problems.add(f"episode {episode}, camera {camera}, {relpath}: {problem}")
-    return problems.check(
-        "videos", f"{len(users)} video files, {requests} request times, tolerance "
-        f"{tolerance_s} s"), indexes
+    return problems.check("videos", f"{len(users)} video files, {requests} request times, "
+                          f"tolerance {tolerance_s} s"), indexes
 
 
 def _track_problems(meta: DatasetMeta, camera: str, index: SampleIndex,
@@ -464,11 +432,11 @@ def _check_windows_disjoint(meta: DatasetMeta, relpath: str, users: list[tuple[i
                             tolerance_s: float, problems: _Problems) -> None:
     """Episodes sharing a video file must claim disjoint ``[from_timestamp, to_timestamp)``
     windows (beyond ``tolerance_s``): else one is served the other's frames, silently."""
-    windows = sorted((float(meta.video_from_s[camera][meta.row(episode)]),
+    claimed = sorted((float(meta.video_from_s[camera][meta.row(episode)]),
                       float(meta.video_to_s[camera][meta.row(episode)]), episode)
                      for episode, camera in users)
     furthest = None  # the window reaching furthest so far, as in the episode tiling
-    for window in windows:
+    for window in claimed:
         if furthest is not None and window[0] < furthest[1] - tolerance_s:
             problems.add(f"{relpath}: episodes {furthest[2]} [{furthest[0]}, {furthest[1]}) s "
                          f"and {window[2]} [{window[0]}, {window[1]}) s overlap: one would be "
@@ -483,16 +451,16 @@ def _episode_video_problem(meta: DatasetMeta, indexes: dict[str, SampleIndex], e
     an unserved request time, or one outside the span streaming plans from nominal times."""
     try:
         synth.episode_spans(meta, episode, indexes, tolerance_s, seconds, [camera])
-    except FrameNotFound as exc:
+    except errors.FrameNotFound as exc:
         return str(exc).removeprefix(f"{meta.video_relpath(episode, camera)}: ")
     try:
         planned = synth.episode_spans(meta, episode, indexes, tolerance_s, cameras=[camera])
-    except FrameNotFound as exc:
+    except errors.FrameNotFound as exc:
         return (f"the nominal times from_timestamp + frame_index / fps that streaming plans "
                 f"with are not all served ({exc})")
     try:
         synth.serving_pts(meta, episode, planned, tolerance_s, seconds)
-    except TableError as exc:
+    except errors.TableError as exc:
         return str(exc)
     return None
 
@@ -513,7 +481,7 @@ def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path |
         return Check("sidecar", True, "no video files: nothing to index")
     try:
         identities = source.content_identities(relpaths)
-    except RefstreamError as exc:
+    except errors.RefstreamError as exc:
         return Check("sidecar", False, f"skipped: the video files' sizes and identities cannot "
                      f"be read ({type(exc).__name__}: {exc})", skipped=True)
     problems, notes, found = _Problems(), [], set()
@@ -522,14 +490,14 @@ def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path |
             size, identity = identities[relpath]
             try:
                 stored = sidecar.read_record(record, size, identity, relpath, verify=True)
-            except SidecarInvalid as exc:
+            except errors.SidecarInvalid as exc:
                 notes.append(f"{label} is not valid, so training ignores it and indexes "
                              f"{relpath} again ({exc})")
                 continue
             found.add(relpath)
             if relpath in indexes:
                 _compare_record(f"{label}: {relpath}", stored, indexes[relpath], problems)
-    except (RefstreamError, *sidecar.UNREADABLE) as exc:
+    except (errors.RefstreamError, *sidecar.UNREADABLE) as exc:
         notes.append(f"{sidecar.PUBLISHED_RELPATH} is not readable, so training ignores it "
                      f"({type(exc).__name__}: {exc})")
     notes.append(f"{len(found)} of {len(identities)} video files have a valid index record, "
@@ -551,7 +519,7 @@ def _sidecar_records(source: Source, identities: dict[str, tuple[int, str]],
             yield f"cache {folder / name}", relpath, folder / name
     try:
         size = source.size(sidecar.PUBLISHED_RELPATH)
-    except MalformedDataset:  # how every source reports a missing file
+    except errors.MalformedDataset:  # how every source reports a missing file
         return
     with zipfile.ZipFile(RangeFile(source, sidecar.PUBLISHED_RELPATH, size)) as archive:
         members = set(archive.namelist())
@@ -601,13 +569,12 @@ def _check_decoding(source: Source, meta: DatasetMeta, indexes: dict[str, Sample
                 with EpisodeDecoder(synth.synthesize(index, span, payload), label,
                                     span.start_pts) as decoder:
                     decoder.frames(pts)
-            except RefstreamError as exc:
+            except errors.RefstreamError as exc:
                 problems.add(f"{label}: {type(exc).__name__}: "
                              f"{str(exc).removeprefix(f'{label}: ')}")
             except Exception as exc:  # not the data's fault: the decoder itself fails
                 problems.add(f"refstream cannot decode with the installed {pyav}: "
-                             f"{type(exc).__name__}: {exc} (at {label}); nothing was decoded "
-                             "after it")
+                             f"{type(exc).__name__}: {exc} (at {label}); decoding stopped there")
                 not_checked.append("decoding: stopped at the first failure of the decoder")
                 return problems.check("decoding", f"stopped where the decoder failed ({pyav})")
         tick(relpath)
@@ -641,7 +608,7 @@ def _request_jobs(meta: DatasetMeta, relpath: str, index: SampleIndex,
         try:
             spans = synth.episode_spans(meta, episode, {relpath: index}, tolerance_s, seconds,
                                         [camera])
-        except RefstreamError:
+        except errors.RefstreamError:
             continue
         pts = synth.serving_pts(meta, episode, spans, tolerance_s, seconds)[camera]
         yield f"episode {episode}, camera {camera}, {relpath}", spans[camera][1], np.unique(pts)

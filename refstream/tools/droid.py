@@ -2,12 +2,6 @@
 fast-forward, an elastic resume and batch mixing, on synthetic episode lengths
 (:func:`droid_lengths`) without any video; and the Hub resolves a DROID-sized run would make
 (:func:`hub_resolves`).
-
-Use::
-
-    figures = planner_figures(config, bytes_per_frame)   # config: a bench.BenchConfig
-    mixing = batch_mixing(episodes, frames, config, "pool", MIXING_BATCHES)
-    resolves = hub_resolves(config)
 """
 
 from __future__ import annotations
@@ -18,16 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refstream import resume, shard
-from refstream.hub import TARGET_LIFETIME_S
+from refstream import hub, resume, shard
 from refstream.planner import Planner
 from refstream.stream import GIB
 
 if TYPE_CHECKING:
     from refstream.tools.bench import BenchConfig
 
-__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "hub_resolves", "PlannerFigures",
-           "Mixing", "HubResolves"]
+__all__ = ["droid_lengths", "planner_figures", "batch_mixing", "hub_resolves"]
 
 DROID_EPISODES = 95_658  # DROID 1.0.1: episodes
 DROID_FRAME_RANGE = (60, 520)  # synthetic lengths, uniform; mean ~290 like DROID's 27.6 M frames
@@ -132,7 +124,7 @@ class HubResolves:
         return (f"Hub resolves (DROID-sized, {self.ranks} ranks x {self.workers} workers on one "
                 f"machine, {self.samples_per_s} samples/s per rank, targets shared): "
                 f"{self.window_average:,.0f} per {QUOTA_WINDOW_S // 60} minutes over a target's "
-                f"{TARGET_LIFETIME_S / 3600:.0f} h; {self.first_window:,} in the first "
+                f"{hub.TARGET_LIFETIME_S / 3600:.0f} h; {self.first_window:,} in the first "
                 f"{QUOTA_WINDOW_S // 60} minutes (every file touched once; {self.files:,} files)")
 
 
@@ -159,7 +151,7 @@ def hub_resolves(config: BenchConfig) -> HubResolves:
     files = DROID_CAMERAS * (int(video[-1]) + 1) + int(data[-1]) + 1
     return HubResolves(HUB_RANKS, HUB_WORKERS, HUB_SAMPLES_PER_S, files,
                        DROID_CAMERAS * len(set(video[first])) + len(set(data[first])),
-                       files * QUOTA_WINDOW_S / TARGET_LIFETIME_S)
+                       files * QUOTA_WINDOW_S / hub.TARGET_LIFETIME_S)
 
 
 @dataclass(frozen=True)

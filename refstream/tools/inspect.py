@@ -5,15 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refstream.mp4 import (
-    Box,
-    ReadRange,
-    locate_moov,
-    parse_moov,
-    read_box,
-    video_edit_list,
-    walk_boxes,
-)
+from refstream import mp4
 
 # Boxes whose payload is a sequence of child boxes.
 CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "udta"})
@@ -21,14 +13,14 @@ TRACK_FIELDS = ("track_id", "codec", "width", "height", "timescale", "movie_time
 SAMPLE_FIELDS = ("pts", "dts", "duration", "size", "offset", "keyframe")  # decode order
 
 
-def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
-             moov_bytes: bytes) -> list[tuple[int, Box]]:
+def box_tree(read_range: mp4.ReadRange, file_size: int, path: str, moov: mp4.Box,
+             moov_bytes: bytes) -> list[tuple[int, mp4.Box]]:
     """(depth, box) for every top-level box and every box inside ``moov``, in file order."""
-    out: list[tuple[int, Box]] = []
+    out: list[tuple[int, mp4.Box]] = []
     pos = 0
     while pos < file_size:
         head = read_range(pos, min(32, file_size - pos))
-        box = read_box(head, 0, len(head), pos, file_size, path)
+        box = mp4.read_box(head, 0, len(head), pos, file_size, path)
         out.append((0, box))
         if box.type == "moov":
             out.extend(_subtree(moov_bytes, moov, path, 1))
@@ -36,10 +28,10 @@ def box_tree(read_range: ReadRange, file_size: int, path: str, moov: Box,
     return out
 
 
-def _subtree(data: bytes, parent: Box, path: str, depth: int) -> list[tuple[int, Box]]:
+def _subtree(data: bytes, parent: mp4.Box, path: str, depth: int) -> list[tuple[int, mp4.Box]]:
     out = []
     start = parent.payload_offset - parent.offset + (8 if parent.type == "stsd" else 0)
-    for box in walk_boxes(data, start, parent.size, parent.offset, path):
+    for box in mp4.walk_boxes(data, start, parent.size, parent.offset, path):
         out.append((depth, box))
         if box.type in CONTAINERS or box.type == "stsd":
             sub = data[box.offset - parent.offset : box.end - parent.offset]
@@ -47,18 +39,17 @@ def _subtree(data: bytes, parent: Box, path: str, depth: int) -> list[tuple[int,
     return out
 
 
-def describe(read_range: ReadRange, file_size: int, path: str) -> dict:
+def describe(read_range: mp4.ReadRange, file_size: int, path: str) -> dict:
     """The JSON-ready report of one file; its sample table holds every sample in decode order
     (ticks of ``timescale``), and each GOP is a keyframe and the samples up to the next one."""
-    moov, moov_bytes, ftyp = locate_moov(read_range, file_size, path)
+    moov, moov_bytes, ftyp = mp4.locate_moov(read_range, file_size, path)
     tree = box_tree(read_range, file_size, path, moov, moov_bytes)
-    index = parse_moov(moov_bytes, moov, file_size, ftyp, path)
-    edits = video_edit_list(moov_bytes, moov, path)
+    index = mp4.parse_moov(moov_bytes, moov, file_size, ftyp, path)
+    edits = mp4.video_edit_list(moov_bytes, moov, path)
     keys = np.flatnonzero(index.keyframe)
     ends = np.append(keys[1:], len(index))
     return {
-        "path": path,
-        "file_size": file_size,
+        "path": path, "file_size": file_size,
         "boxes": [{"depth": d, "type": b.type, "offset": b.offset, "size": b.size}
                   for d, b in tree],
         "track": {**{name: getattr(index, name) for name in TRACK_FIELDS},

@@ -1,30 +1,17 @@
 """``refstream lerobot-train``: LeRobot 0.6.1's own trainer (``lerobot-train``), fed by
 ``StreamingDataset`` instead of a downloaded dataset.
 
-Use, with ``lerobot-train``'s own flags (``--dataset.root`` a folder, an ``http(s)://`` base URL
-or ``hf://datasets/OWNER/NAME[@REV]``; without it, the Hub dataset ``--dataset.repo_id`` at
-``--dataset.revision``)::
+Use: ``refstream lerobot-train`` (or ``torchrun ... -m refstream.tools.lerobot_train``) with
+``lerobot-train``'s own flags, as the README's "Training with LeRobot" shows. It runs LeRobot's
+``train()`` unchanged and replaces, for the run only, four things around it:
 
-    refstream lerobot-train --policy.type=act --dataset.repo_id=OWNER/NAME ...
-    torchrun --nproc-per-node=2 -m refstream.tools.lerobot_train --policy.type=act ...
-    refstream lerobot-train --config_path=OUT/checkpoints/last/pretrained_model --resume=true
-
-It runs LeRobot's ``train()`` unchanged and replaces, for the run only, four things around it:
-
-* LeRobot's dataset factory (``make_train_eval_datasets``: delta_timestamps from the policy,
-  ``--dataset.episodes``, the eval split, image transforms, ImageNet statistics) makes
-  ``StreamingDataset``\\ s where it would make ``LeRobotDatasetMetadata`` and ``LeRobotDataset``,
-  with the run's seed, batch size and worker count; the run is a streaming one
-  (``dataset.streaming=true``), so the trainer builds its DataLoader without a sampler;
-* DataLoader workers are capped at the fewest episodes a rank owns in any of these datasets
-  (a worker streams whole episodes);
-* accelerate's ``prepare`` hands back the DataLoader of a ``StreamingDataset`` without splitting,
-  dispatching or gathering its batches (each rank streams its own episodes, SPEC §9.5); each pass
-  after the first starts the next epoch (``set_epoch``), and with several ranks an epoch ends as
-  SPEC §9.5 says;
-* each checkpoint also holds the data position (``training_state/refstream_data.json``,
-  ``StreamingDataset.state_dict``), and ``--resume=true`` loads it: the run continues with the
-  batches the interrupted one would have taken next.
+* LeRobot's dataset factory makes ``StreamingDataset``\\ s, with the run's seed, batch size and
+  worker count, in a streaming run: the trainer's DataLoader has no sampler (``_Run``);
+* DataLoader workers are capped at the fewest episodes a rank owns (a worker streams whole
+  episodes);
+* accelerate's ``prepare`` hands a ``StreamingDataset``'s DataLoader back unsplit, each further
+  pass the next epoch (SPEC §9.5, ``_Loader``);
+* each checkpoint also holds the data position, which ``--resume=true`` loads.
 
 Everything else — policy, processors, optimizer, logging, evaluation, checkpoints — is LeRobot's.
 lerobot is imported only here (the ``lerobot`` extra).
@@ -39,6 +26,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import accelerate
 from lerobot.datasets import factory
@@ -57,14 +45,13 @@ DATA_STATE = "refstream_data.json"  # in a checkpoint's training_state/, beside 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``lerobot-train`` with ``argv`` (its own flags) on ``StreamingDataset``."""
     sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # LeRobot parses these
     run = _Run()
-    with _patched(lerobot_train, make_train_eval_datasets=run.make_datasets,
-                  save_checkpoint=run.save_checkpoint), \
-            _patched(accelerate.Accelerator, end_training=_end_training,
-                     prepare_data_loader=lambda accelerator, loader, *args, **kwargs:
-                     run.prepare_data_loader(accelerator, loader, *args, **kwargs)):
+    with mock.patch.multiple(lerobot_train, make_train_eval_datasets=run.make_datasets,
+                             save_checkpoint=run.save_checkpoint), \
+            mock.patch.multiple(accelerate.Accelerator, end_training=_end_training,
+                                prepare_data_loader=lambda accelerator, loader, *args, **kwargs:
+                                run.prepare_data_loader(accelerator, loader, *args, **kwargs)):
         lerobot_train.main()
     return 0
 
@@ -116,8 +103,8 @@ class _Run:
                 tolerance_s=tolerance_s, return_uint8=return_uint8, seed=cfg.seed,
                 batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-        with _patched(factory, LeRobotDatasetMetadata=metadata, LeRobotDataset=dataset,
-                      StreamingLeRobotDataset=dataset):
+        with mock.patch.multiple(factory, LeRobotDatasetMetadata=metadata,
+                                 LeRobotDataset=dataset, StreamingLeRobotDataset=dataset):
             train, evaluation = factory.make_train_eval_datasets(cfg)
         made = [train] if evaluation is None else [train, evaluation]
         workers = min([cfg.num_workers, *(len(_rank_episodes(d)) for d in made)])
@@ -196,19 +183,6 @@ class _Loader:
 def _rank_episodes(dataset: StreamingDataset) -> list[int]:
     frames = [dataset.meta.frames(e) for e in dataset.episodes]
     return shard.rank_share(dataset.episodes, frames, dataset.rank, dataset.world_size)
-
-
-@contextlib.contextmanager
-def _patched(owner, **replacements) -> Iterator[None]:
-    """``owner``'s attributes replaced while the block runs, restored after it."""
-    saved = {name: getattr(owner, name) for name in replacements}
-    for name, value in replacements.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(owner, name, value)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
-"""``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation.
-
-Use: ``report = run_scale(ScaleConfig())`` (``ScaleConfig.quick()`` for a small one), then
-``report.lines()`` or ``report.as_dict()``.
+"""``refstream bench --scale droid``: the index side of refstream on a DROID-sized simulation,
+measured by :func:`run_scale`.
 
 The simulation (:func:`write_simulation`, made once under ``$REFSTREAM_CACHE/bench``) is DROID in
 LeRobot v3: ``bench.droid_lengths`` episodes at 15 fps, three 320×180 cameras, video files rolled
@@ -44,14 +42,12 @@ import pyarrow.parquet as pq
 from refstream import sidecar
 from refstream.errors import RefstreamError, UsageError
 from refstream.meta import EPISODES_PATH, INFO_PATH, TASKS_PATH
-from refstream.sidecar import CACHE_ENV, MappedIndex, VideoIndex, cache_folder
 from refstream.stats import STATS_PATH
 from refstream.synth import HANDLER_NAME, IDENTITY_MATRIX, box, full_box, table_box
 from refstream.tools import bench, demo
 from refstream.tools.bench import MB, Target, droid_lengths, kib_fields
 
-__all__ = ["ScaleConfig", "ScaleReport", "run_scale", "write_simulation", "write_sparse_mp4",
-           "hub_route"]
+__all__ = ["ScaleConfig", "run_scale", "write_simulation", "write_sparse_mp4", "hub_route"]
 
 CAMERAS = ("observation.images.exterior_1_left", "observation.images.exterior_2_left",
            "observation.images.wrist_left")  # DROID's three cameras
@@ -70,6 +66,7 @@ MOVIE_TIMESCALE = 1000  # FFmpeg's mvhd timescale
 AV1C_320X180 = bytes.fromhex("81000c000a0b000000043cfecc02f80040")
 FACTS = "simulation.json"  # write_simulation's facts, beside meta/
 HELD_WAIT_S = 900.0  # how long the workers may take to reach their first fetch
+SMAPS_FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty")  # what a memory figure sums
 TRACED_FRAMES = 64  # deep enough that numpy's allocations still show the sidecar frame calling
 HUB_REPO = "refstream/droid-sim"  # the emulated Hub's dataset: hf://datasets/HUB_REPO
 HUB_COMMIT = hashlib.sha1(b"refstream droid simulation").hexdigest()  # its one commit
@@ -167,13 +164,6 @@ def _rollover(item_bytes: np.ndarray, limit: int) -> np.ndarray:
     return numbers
 
 
-def _place(numbers, key: str = "") -> dict:
-    """``chunk_index`` and ``file_index`` of file ``numbers`` (LeRobot's rollover), prefixed by
-    ``key/`` when given (episodes table columns)."""
-    return {f"{key}/chunk_index" if key else "chunk_index": numbers // demo.CHUNKS_SIZE,
-            f"{key}/file_index" if key else "file_index": numbers % demo.CHUNKS_SIZE}
-
-
 def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> dict:
     """Write the simulation of ``config`` under ``root`` (module docstring); return its facts,
     also kept in ``root/simulation.json``."""
@@ -187,7 +177,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
     rng = np.random.default_rng(config.seed)
     columns = {"episode_index": np.arange(config.episodes), "length": lengths,
                "tasks": pa.array([[demo.TASKS[e % 2]] for e in range(config.episodes)]),
-               **_place(_rollover(lengths * DATA_ROW_BYTES, 100 * MIB), "data"),
+               **demo.file_place(_rollover(lengths * DATA_ROW_BYTES, 100 * MIB), "data"),
                "dataset_from_index": first[:-1], "dataset_to_index": first[1:]}
     videos = []
     for camera in CAMERAS:
@@ -196,7 +186,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
         file_of = _rollover(np.add.reduceat(sizes, first[:-1], dtype=np.int64),
                             config.video_file_mb * MIB)
         opens = first[:-1][np.flatnonzero(np.diff(file_of, prepend=-1))]  # each file's 1st frame
-        columns |= {**_place(file_of, f"videos/{camera}"),
+        columns |= {**demo.file_place(file_of, f"videos/{camera}"),
                     f"videos/{camera}/from_timestamp": (first[:-1] - opens[file_of]) / FPS,
                     f"videos/{camera}/to_timestamp": (first[1:] - opens[file_of]) / FPS}
         videos += [(camera, n, sizes[a:b], keyframe[a:b])
@@ -213,9 +203,9 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
     table = pa.table(columns)
     per_file = max(1, 100 * MIB * table.num_rows // table.nbytes)  # ~100 MB files, as LeRobot
     numbers = np.arange(table.num_rows) // per_file
-    for key, values in _place(numbers, "meta/episodes").items():
+    for key, values in demo.file_place(numbers, "meta/episodes").items():
         table = table.append_column(key, pa.array(values))
-    parts = [(EPISODES_PATH.format(**_place(n)), table.slice(n * per_file, per_file))
+    parts = [(EPISODES_PATH.format(**demo.file_place(n)), table.slice(n * per_file, per_file))
              for n in range(int(numbers[-1]) + 1)] + [(TASKS_PATH, demo._tasks_table())]
     for relpath, part in parts:
         (root / relpath).parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +215,7 @@ def write_simulation(root: Path, config: ScaleConfig, progress: bool = True) -> 
         features, FPS, config.episodes, frames, "refstream_droid_simulation",
         config.video_file_mb)))
     for camera, number, sizes, flags in tqdm(videos, unit="file", disable=not progress):
-        path = root / demo.VIDEO_PATH.format(video_key=camera, **_place(number))
+        path = root / demo.VIDEO_PATH.format(video_key=camera, **demo.file_place(number))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_sparse_mp4(path, sizes, flags, FPS)
     facts = {"episodes": config.episodes, "frames": frames, "cameras": len(CAMERAS),
@@ -256,8 +246,7 @@ def hub_route(root: Path, url: str) -> Callable[[str], str | tuple[bytes, dict[s
         for path in sorted((root / folder).rglob("*")):
             relpath = str(path.relative_to(root))
             if path.is_dir():
-                entries.append({"type": "directory", "oid": "0" * 40, "size": 0,
-                                "path": relpath})
+                entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": relpath})
                 continue
             size = path.stat().st_size
             oid = hashlib.sha256(f"{relpath} {size}".encode()).hexdigest()
@@ -343,7 +332,7 @@ class WorkerMemory:
 
 
 def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place:
-    env = {**os.environ, CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
+    env = {**os.environ, sidecar.CACHE_ENV: str(cache), "HF_ENDPOINT": server.url}
     env.pop("HF_TOKEN", None)  # the emulated Hub needs none
     mark, served, started = len(server.log), server.body_bytes, time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", INDEX_CHILD, root], env=env,
@@ -372,12 +361,14 @@ def _measure_place(root: str, cache: Path, server: demo.LoopbackServer) -> Place
     return Place(*figures)
 
 
-def _rollup(pid: int) -> tuple[int, int, int]:
-    """RSS, PSS and private bytes (``Private_Clean + Private_Dirty``) of ``pid``."""
-    fields = kib_fields(f"/proc/{pid}/smaps_rollup",
-                        ("Rss", "Pss", "Private_Clean", "Private_Dirty")) or {}
+def _memory(fields: dict[str, int]) -> tuple[int, int, int]:
+    """RSS, PSS and private bytes (``Private_Clean + Private_Dirty``) of smaps ``fields``."""
     private = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
     return fields.get("Rss", 0), fields.get("Pss", 0), private
+
+
+def _rollup(pid: int) -> tuple[int, int, int]:
+    return _memory(kib_fields(f"/proc/{pid}/smaps_rollup", SMAPS_FIELDS) or {})
 
 
 def _note_start(start, worker_id: int) -> None:
@@ -411,7 +402,7 @@ def _mapped_records(pid: int, folder: str) -> dict[str, dict[str, int]]:
     return files
 
 
-def _index_heap_bytes(video_index: VideoIndex, paths: frozenset[str]) -> int:
+def _index_heap_bytes(video_index: sidecar.VideoIndex, paths: frozenset[str]) -> int:
     """The heap that the index objects of the records at ``paths`` take: what tracemalloc finds
     allocated in :mod:`refstream.sidecar` and still held by the :class:`MappedIndex` entries a
     worker mapping those records holds (their pages are not heap)."""
@@ -419,7 +410,7 @@ def _index_heap_bytes(video_index: VideoIndex, paths: frozenset[str]) -> int:
                 if os.path.realpath(record.path) in paths]
     tracemalloc.start(TRACED_FRAMES)
     try:
-        mapped = MappedIndex(video_index)
+        mapped = sidecar.MappedIndex(video_index)
         for relpath in relpaths:
             mapped[relpath]
         in_sidecar = tracemalloc.Filter(True, sidecar.__file__, all_frames=True)
@@ -433,12 +424,10 @@ def _worker(pid: int, private_at_start: int, folder: Path) -> tuple[WorkerMemory
     """``pid``'s memory and that of the index records (in ``folder``) it maps, their heap not
     yet measured (0); and the paths of those records."""
     records = _mapped_records(pid, os.path.realpath(folder) + os.sep)
-    index = {name: sum(fields.get(name, 0) for fields in records.values())
-             for name in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
+    index = {name: sum(fields.get(name, 0) for fields in records.values()) for name in SMAPS_FIELDS}
     rss, pss, private = _rollup(pid)
     return WorkerMemory(rss, pss, private, private - private_at_start, len(records),
-                        index["Rss"], index["Pss"],
-                        index["Private_Clean"] + index["Private_Dirty"], 0), frozenset(records)
+                        *_memory(index), 0), frozenset(records)
 
 
 def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> list[WorkerMemory]:
@@ -449,7 +438,7 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
 
     held, measured, lock, release = set(), [], threading.Lock(), threading.Event()
     start = torch.zeros((workers, 2), dtype=torch.int64).share_memory_()  # pid, private bytes
-    with demo.environment(CACHE_ENV, str(cache)):
+    with demo.environment(sidecar.CACHE_ENV, str(cache)):
         dataset = StreamingDataset(server.url)
 
     def hold(path: str, client: tuple) -> None:  # on the server's threads
@@ -458,7 +447,7 @@ def _worker_memory(server: demo.LoopbackServer, cache: Path, workers: int) -> li
                 held.add(client[1])  # the port the request came from
                 pids = start[:, 0].tolist()
                 if not release.is_set() and all(pids) and all(_tcp_ports(p) & held for p in pids):
-                    measured.extend(_worker(pid, at_start, cache_folder(cache))
+                    measured.extend(_worker(pid, at_start, sidecar.cache_folder(cache))
                                     for pid, at_start in start.tolist())
                     release.set()
             release.wait()
@@ -506,16 +495,14 @@ class ScaleReport:
         out = [f"simulated DROID: {s['episodes']:,} episodes, {s['frames']:,} frames at {FPS} "
                f"fps, {s['cameras']} cameras {WIDTH}x{HEIGHT}, {s['samples']:,} samples in "
                f"{s['video_files']:,} sparse video files ({s['video_bytes'] / MB:,.0f} MB); "
-               f"generated in {s['seconds']:.0f} s, "
-               f"{self.disk_bytes / MB:,.0f} MB on disk, {self.apparent_bytes / MB:,.0f} MB "
-               f"apparent: {self.root}"]
+               f"generated in {s['seconds']:.0f} s, {self.disk_bytes / MB:,.0f} MB on disk, "
+               f"{self.apparent_bytes / MB:,.0f} MB apparent: {self.root}"]
         groups = [("folder", self.folder), ("loopback HTTP", self.http),
                   (f"emulated Hub (hf://datasets/{HUB_REPO})", self.hub),
                   *((f"worker {n} (HTTP)", w) for n, w in enumerate(self.workers))]
         out += [f"{label}: " + ", ".join(f"{k} {_shown(k, v)}" for k, v in asdict(g).items())
                 for label, g in groups]
-        out += [f"[{t.verdict}] {t.text}: {t.measured}"
-                for t in self.targets]
+        out += [f"[{t.verdict}] {t.text}: {t.measured}" for t in self.targets]
         return [*out, f"scale took {self.seconds:.0f} s"]
 
 
@@ -546,7 +533,6 @@ def evaluate_targets(report: ScaleReport) -> list[Target]:
 
 
 def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None) -> ScaleReport:
-    """Generate (once) the simulation, then measure it; see the module docstring."""
     if min(config.episodes, config.workers) < 1 or not 1 <= config.video_file_mb <= 2048:
         raise UsageError(f"{config}: episodes, workers >= 1; video_file_mb 1..2048 (32-bit stco)")
     say = progress or (lambda _message: None)
@@ -569,5 +555,4 @@ def run_scale(config: ScaleConfig, progress: Callable[[str], None] | None = None
     report = ScaleReport(config, str(root), json.loads((root / FACTS).read_text()),
                          sum(f.st_blocks * 512 for f in files), sum(f.st_size for f in files),
                          **places, workers=workers, targets=[], seconds=0.0)
-    return replace(report, targets=evaluate_targets(report),
-                   seconds=time.perf_counter() - started)
+    return replace(report, targets=evaluate_targets(report), seconds=time.perf_counter() - started)
