@@ -4,6 +4,7 @@ figures it explains (the demo's bytes, the HTTP whole-body cap) are the code's o
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -51,3 +52,38 @@ def test_the_demo_figures_the_readme_explains_are_the_demos(tmp_path, monkeypatc
     assert report.video_span_requests > report.episodes * report.cameras  # fetched again
     assert (f"{report.video_span_requests} span requests for {report.episodes} episodes × "
             f"{report.cameras} cameras") in PROSE
+
+
+def definition_line(path: Path, name: str) -> int | None:
+    """The line where ``name`` (``Class.method`` or a top-level name) is defined in ``path``."""
+    body, node = ast.parse(path.read_text()).body, None
+    for part in name.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        body = node.body
+    return node.lineno
+
+
+def reading_references(readme: str) -> list[tuple[str, int, str]]:
+    """``(module, line, name)`` of each ``module.py:LINE name`` in "Reading the code"."""
+    section = readme.split("\n## Reading the code\n", 1)[1].split("\n## ", 1)[0]
+    return [(module, int(line), name) for module, line, name
+            in re.findall(r"`(\w+)\.py:(\d+)\s+([\w.]+)`", section)]
+
+
+def test_the_reading_path_points_at_each_definition():
+    references = reading_references(README)
+    assert len(references) >= 20
+    wrong = [f"{module}.py:{line} {name} is at line "
+             f"{definition_line(REPO / 'refstream' / f'{module}.py', name)}"
+             for module, line, name in references
+             if definition_line(REPO / "refstream" / f"{module}.py", name) != line]
+    assert wrong == [], "the README's reading path moved: update its line numbers"
+
+
+def test_a_moved_definition_is_caught():
+    moved = README.replace("`stream.py:", "`stream.py:1", 1)
+    module, line, name = reading_references(moved)[0]
+    assert definition_line(REPO / "refstream" / f"{module}.py", name) != line
