@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 import time
 import tokenize
 import warnings
@@ -73,6 +74,10 @@ NPY_1_0 = b"\x93NUMPY\x01\x00"
 OWNED = re.compile(r"^\.(?:tmp|volatile)\.(\d+)\.")
 # What numpy raises on a corrupt NPY file: the header is a Python literal it tokenizes.
 CORRUPT_NPY = (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError)
+# numpy parses an NPY header with ast.literal_eval. CPython 3.11 counts AST recursion in state its
+# threads share (python/cpython#106905), so headers parsed at once by index and fetch threads can
+# fail with SystemError: one header is parsed at a time.
+_HEADER_LOCK = threading.Lock()
 # What zipfile raises on a corrupt archive (RuntimeError: an encrypted member).
 CORRUPT_ZIP = (OSError, ValueError, EOFError, RuntimeError, NotImplementedError,
                zipfile.BadZipFile, struct.error, zlib.error)
@@ -164,7 +169,8 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
             handle.seek(-len(head), io.SEEK_CUR)  # numpy reads a file object from here
         if head != NPY_1_0:
             raise ValueError("not an NPY 1.0 file")
-        array = np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
+        with _HEADER_LOCK:
+            array = np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
         index = _parse_record(array, size, identity, relpath)
         if mapped and os.path.getsize(file) != array.offset + array.dtype.itemsize:
             raise ValueError("the file is longer than its array")

@@ -657,6 +657,20 @@ def test_a_corrupt_record_is_rebuilt_alone(root, cache, corruption):
     assert_matches_oracle(again, root)
 
 
+def test_record_headers_are_parsed_one_at_a_time(root, cache, monkeypatch):
+    # numpy parses them with ast, whose recursion count CPython 3.11 shares between threads
+    record = ensure(root, cache).records[RELPATHS[1]]
+    load, held = np.load, []
+
+    def load_noting_the_lock(*args, **kwargs):
+        held.append(sidecar._HEADER_LOCK.locked())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", load_noting_the_lock)
+    read_record(record.path, record.size, record.identity)
+    assert held == [True]
+
+
 def test_a_programming_error_while_reading_a_record_is_not_called_corrupt(root, cache,
                                                                            monkeypatch):
     record = ensure(root, cache).records[RELPATHS[1]]
