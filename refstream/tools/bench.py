@@ -453,7 +453,7 @@ def timed_pass(make_loader: Callable[[], tuple[object, object]], max_batches: in
             if "bench.decoded_frames" in batch:
                 decoded += int(batch["bench.decoded_frames"].sum())
             times.append((time.perf_counter() - start, samples))
-            if not workers:  # the first batch: the workers have started
+            if len(times) == 1:  # the first batch: the workers (if any) have started
                 workers = descendants(os.getpid())
                 sampler.sample(pss=True)
             cpu.append((time.thread_time(), sum(process_cpu_s(p) for p in workers),
