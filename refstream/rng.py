@@ -1,17 +1,10 @@
-"""The portable, counter-based random numbers every refstream order is made of (SPEC §1).
-
-Every random choice is a pure function of a key and an index, built on SplitMix64 so that any
-language reproduces it; numpy's generators are never used. Use::
+"""The portable, counter-based random numbers every refstream order is made of (SPEC §1). Use::
 
     seed = resolve_seed(user_seed)                  # DEFAULT_SEED when the user gives None
     key = derive_key(seed, epoch, "admit")          # labels are ints and strs
     key_e = extend_key(key, e)                      # == derive_key(seed, epoch, "admit", e)
     u64(key, i), below(n, key, i)                   # word i of the key's stream; a number < n
     permutation(key, ids)                           # the ids in keyed order (numpy int64)
-
-The numpy forms (``u64_array``, ``permutation``) compute in ``uint64``, which wraps modulo 2⁶⁴
-like the definition, and equal the plain-integer form ``u64``. A seed, label, index, ``n`` or id
-outside SPEC §1.2–1.3's domains is :class:`~refstream.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -53,10 +46,8 @@ def label_words(label: int | str) -> list[int]:
     if isinstance(label, int):
         return [TAG_INT, check_int(label, "an RNG label", -(1 << 63), MASK64) & MASK64]
     data = label.encode("utf-8")
-    words = [TAG_STR, len(data)]
-    for start in range(0, len(data), 8):
-        words.append(int.from_bytes(data[start : start + 8].ljust(8, b"\0"), "little"))
-    return words
+    chunks = (data[start : start + 8].ljust(8, b"\0") for start in range(0, len(data), 8))
+    return [TAG_STR, len(data), *(int.from_bytes(chunk, "little") for chunk in chunks)]
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -87,13 +78,13 @@ def _word(key: int, i: int) -> int:
 
 
 def below_unchecked(n: int, key: int, i: int) -> int:
-    """:func:`below` without its argument checks, for arguments known to be in range (the
-    planner's draw, once per anchor)."""
+    """:func:`below` without its argument checks: the planner's draw, once per anchor."""
     return (_word(key, i) * n) >> 64
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
     """``u64(key, i)`` for every ``i`` of a non-negative integer array; returns ``uint64``."""
+    # uint64 arithmetic wraps modulo 2⁶⁴, as the definition does.
     i = np.asarray(indices).astype(np.uint64)
     return mix64(np.uint64(key) + (i + np.uint64(1)) * np.uint64(GOLDEN_GAMMA))
 
@@ -104,8 +95,7 @@ def below(n: int, key: int, i: int) -> int:
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``ids`` (distinct non-negative integers, else UsageError) in the keyed order of SPEC §1.3,
-    as ``int64``."""
+    """``ids`` (distinct non-negative integers, else UsageError) in SPEC §1.3's keyed order."""
     ids = np.asarray(ids)
     if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
         raise UsageError(f"permutation ids must be non-negative integers, got {ids.dtype} ids "
