@@ -6,10 +6,6 @@ Use::
                            feature_keys=meta.features)          # once, when the dataset opens
     rows, is_pad = window_rows(offsets["action"], frame=28, length=30)
     # rows == [28, 29, 29], is_pad == [False, False, True]
-
-:func:`make_windows` validates every delta before any anchor is looked at (SPEC §5.1);
-:func:`window_rows` places the offsets around one anchor (SPEC §5.2). Rows are episode-local.
-A bad ``delta_timestamps`` is :class:`~refstream.errors.UsageError` naming the key and the value.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ __all__ = ["make_windows", "window_rows", "check_tolerance"]
 def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: int,
                  tolerance_s: float, *,
                  feature_keys: Collection[str] | None = None) -> dict[str, np.ndarray]:
-    """Each windowed key's row offsets from the anchor (int64, in the order given) after SPEC
-    §5.1's checks; ``delta_timestamps`` None has no windows."""
+    """Each windowed key's row offsets (int64, in the order given) after SPEC §5.1's checks."""
     check_int(fps, "fps", 1)
     check_tolerance(tolerance_s)
     if delta_timestamps is None:
@@ -51,8 +46,7 @@ def make_windows(delta_timestamps: Mapping[str, Sequence[float]] | None, fps: in
 
 def window_rows(offsets: np.ndarray, frame: int | np.ndarray,
                 length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Episode-local rows (int64) and pad mask (bool) of one anchor ``frame`` (SPEC §5.2), or
-    of each of an array of anchors (a row of each per anchor)."""
+    """Episode-local rows (int64) and pad mask (bool) of an anchor or array of them (SPEC §5.2)."""
     anchors = np.asarray(frame, dtype=np.int64)
     if np.any((anchors < 0) | (anchors >= length)):
         raise UsageError(f"anchor frame {frame} is outside an episode of {length} frames")
