@@ -6,10 +6,6 @@ Use::
     share = rank_share(ids, frames, rank, world_size)           # this rank's: ranks[rank]
     parts = worker_shares(share, share_frames, num_workers)     # part w: logical worker w's
     limits = split_limits(num_workers, pool_size=…, byte_budget=…, decoder_cache=…, cameras=…)
-
-Both shares are parts of :func:`lpt_partition` (SPEC §2.1); :func:`split_limits` gives one
-worker's :class:`WorkerLimits` (SPEC §2.3). :func:`episode_ids` and :func:`check_episodes` are the
-one check of episode ids (and per-episode counts) that selection, sharding and the planner all call.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ class WorkerLimits:
 
 
 def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> list[int]:
-    """``ids`` as a list of ints (SPEC §2.1, §4.5); ``error`` names the first rule broken."""
+    """The one check of episode ids (SPEC §2.1, §4.5): ``ids`` as ints, else ``error``."""
     ids = list(ids)
     bad = [e for e in ids if not is_int(e)]
     if bad:
