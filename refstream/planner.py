@@ -1,7 +1,5 @@
-"""One DataLoader worker's exact-coverage plan for one epoch (SPEC §3.1–3.5).
-
-A :class:`Planner` is an iterator of *anchors* ``(episode, frame)`` over one worker's share. It
-does no I/O and never waits: the stream fetches what it admits and follows its order. Use::
+"""One DataLoader worker's exact-coverage plan for one epoch (SPEC §3.1–3.5): an iterator of
+anchors ``(episode, frame)``; the stream fetches what it admits and follows its order. Use::
 
     planner = Planner(share, frames, seed=s, epoch=e, rank=r, worker=w, strategy="pool",
                       pool_size=p, byte_sizes=sizes, byte_budget=b)   # sizes and budget optional
@@ -11,12 +9,6 @@ does no I/O and never waits: the stream fetches what it admits and follows its o
         planner.frontier(k)                          # the next k to admit: prefetch candidates
         planner.frames_to_come(e)                    # e's frames still to come, in order
     planner.emitted()                           # {episode: frames emitted so far}
-
-``delivered`` (one count per episode) plans the rest of a partly emitted epoch (SPEC §3.9).
-
-Invariants (SPEC §3.2): every frame of the share not delivered before is emitted exactly once;
-the order is a pure function of the arguments; the pool size and the byte budget hold at every
-step, and an episode larger than the whole budget is refused at construction.
 """
 
 from __future__ import annotations
@@ -98,8 +90,7 @@ class Planner:
         return {e: n for e, n in counts.items() if n}
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        """``(admitted, drained)`` episodes since the last call, each in event order: an episode
-        *drains* when its last anchor of the epoch is emitted, and leaves the pool."""
+        """``(admitted, drained)`` episodes since the last call, each in event order (SPEC §3.4)."""
         events = (self._admitted_events, self._drained_events)
         self._admitted_events, self._drained_events = [], []
         return events
@@ -131,8 +122,7 @@ class Planner:
         return self._orders[episode]
 
     def skip(self, n: int) -> None:
-        """Pass the next ``n`` anchors without computing their frames (SPEC §3.4); the
-        admissions and drains they cause are reported by drain_events as if emitted."""
+        """Pass the next ``n`` anchors without computing their frames (SPEC §3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
         for _ in range(n):
@@ -178,8 +168,7 @@ class Planner:
 
 def _rest(episodes, frames, delivered) -> list[int]:
     """Each episode's frames not yet delivered this epoch; UsageError for a bad ``delivered``."""
-    if delivered is None:
-        return [int(f) for f in frames]
+    delivered = [0] * len(frames) if delivered is None else delivered
     for episode, count, done in zip(episodes, frames, delivered, strict=True):
         if done > count:
             raise UsageError(f"episode {episode} has {count} frames, {done} cannot be delivered")
