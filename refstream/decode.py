@@ -1,5 +1,5 @@
 """PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time
-(SPEC §10.8; the camera values of SPEC §9.1). The only module that imports PyAV.
+(SPEC §10.8, §9.3; the camera values of SPEC §9.1). The only module that imports PyAV.
 
 Use::
 
@@ -9,16 +9,6 @@ Use::
     cache = DecoderCache(capacity, keep_bytes)   # LRU keyed (episode, camera), one thread's
     decoder = cache.decoder((3, "top"), mp4_bytes, span.start_pts, keyframes=k, demand=counts)
     decoder.frames(pts_ticks, room=cache.room())
-
-``pts_ticks`` are source presentation times in ticks of the track's timescale, as
-:func:`refstream.synth.serving_pts` chooses them; ``start_pts`` is the source pts of the video's
-local time 0. Frames come as ``uint8`` or ``float32`` RGB; PyAV's errors become
-:class:`~refstream.errors.DecodeError`, cause chained.
-
-Given ``demand`` (source pts -> requests still to come, counted down as they are served) and the
-source pts of the ``keyframes``, a decoder keeps decoded frames that later requests want, in
-``room`` bytes, and decodes on past the last frame asked to the last frame of the same GOP that
-a later request wants: while wanted, each GOP is decoded once (SPEC §9.3).
 """
 
 from __future__ import annotations
@@ -52,7 +42,8 @@ class EpisodeDecoder:
                  stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = (),
                  keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
-        self.demand = demand  # source pts -> requests still to come (None: keep nothing)
+        # source pts (as serving_pts chooses them) -> requests still to come (None: keep nothing)
+        self.demand = demand
         self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local ticks
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
@@ -135,8 +126,7 @@ class EpisodeDecoder:
         return self.demand is not None and self.demand.get(local + self.start_pts, 0) > 0
 
     def _reach(self, missing: set[int], room: int) -> int:
-        """The last frame to decode: the last ``missing`` one, or past it the last frame of its
-        GOP a later request wants, as far as ``room`` keeps them."""
+        """The frame to decode up to: ``max(missing)``, or its GOP's last wanted later (§10.8)."""
         last = max(missing)
         next_gop = self._keyframes[bisect_right(self._keyframes, last)]  # its first frame's pts
         ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
@@ -222,8 +212,7 @@ def _planar_is_rgb24(pixel_format: str, width: int, height: int, colorspace, col
 
 def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
          planar: bool | None = None) -> list[np.ndarray]:
-    """The R, G and B planes ``(H, W)`` uint8 of ``frame`` as ``to_ndarray(format="rgb24")``,
-    read from its gbrp conversion if ``planar`` (by default: where the two are the same)."""
+    """``frame``'s R, G and B planes ``(H, W)`` uint8 as rgb24 gives them; via gbrp if planar."""
     if planar is None:
         planar = _planar_is_rgb24(frame.format.name, frame.width, frame.height,
                                   frame.colorspace, frame.color_range)
@@ -237,8 +226,7 @@ def _rgb(scaler: VideoReformatter, frame: av.VideoFrame,
 
 
 class DecoderCache:
-    """At most ``capacity`` open ``EpisodeDecoder``s keyed ``(episode, camera)`` (least recently
-    used closed first), keeping ``keep_bytes`` of frames at most; for one thread at a time."""
+    """At most ``capacity`` open decoders (the least recently used closed first); one thread's."""
 
     def __init__(self, capacity: int, keep_bytes: int = 0) -> None:
         check_at_least(1, capacity=capacity)
@@ -248,8 +236,7 @@ class DecoderCache:
     def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
                 stsd: bytes = b"", keyframes: Iterable[int] = (),
                 demand: dict[int, int] | None = None) -> EpisodeDecoder:
-        """``key``'s decoder of ``mp4_bytes``, opened if it is not open; open videos whose
-        sample descriptions ``stsd`` set a decoder up alike share a codec context."""
+        """``key``'s decoder of ``mp4_bytes``, opened if not open (sharing a peer's codec)."""
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts,
