@@ -1,15 +1,12 @@
 """Which samples an episode needs, the one byte span that holds them, the frame serving each
 request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), without I/O, on a
-:class:`refstream.mp4.SampleIndex`. Calls, in the order a loader makes them::
+:class:`refstream.mp4.SampleIndex`; ``meta`` is a :class:`refstream.meta.DatasetMeta`, which it
+does not import. Calls, in the order a loader makes them::
 
     spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
     size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
     pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
-
-Each rule is one function that spans, the worker and the doctor call: :func:`serving_samples`
-(SPEC §7.1), :func:`served`, :func:`select_frames` (§10.8), :func:`check_frame_rate` (§9.2).
-It imports no metadata reader: ``meta`` is a :class:`refstream.meta.DatasetMeta`.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ class Matches:
 
 def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
                     tolerance_s: float) -> Matches:
-    """The samples (``pts_ticks`` in any order) that serve each requested time by the rule of
-    SPEC §7.1; a NaN time is served by nothing."""
+    """The samples (``pts_ticks`` in any order) serving each of ``times_s`` by SPEC §7.1's rule."""
     pts_s = np.asarray(pts_ticks).astype(np.float64) / timescale
     times_s = np.asarray(times_s, np.float64)
     order = np.argsort(pts_s, kind="stable")
@@ -80,8 +76,7 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 def served(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray, tolerance_s: float,
            label: str) -> Matches:
-    """:func:`serving_samples` when every time is served; else the one ``FrameNotFound`` of an
-    unserved request, naming ``label`` and the first such time."""
+    """:func:`serving_samples`, or ``FrameNotFound`` naming ``label`` if a time is unserved."""
     matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
     unserved = matches.unserved(len(times_s))
     if len(unserved):
@@ -92,8 +87,7 @@ def served(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray, tolerance
 
 def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
                   tolerance_s: float, label: str = "video") -> np.ndarray:
-    """Position in ``pts_ticks`` (int64, distinct) of the frame serving each of ``times_s``: of
-    the samples that serve it, the nearest, then the earliest (SPEC §10.8)."""
+    """Position in ``pts_ticks`` (int64) of the frame serving each of ``times_s`` (SPEC §10.8)."""
     pts_ticks, times_s = np.asarray(pts_ticks, np.int64), np.asarray(times_s, np.float64)
     matches = served(pts_ticks, timescale, times_s, tolerance_s, label)
     order = np.lexsort((pts_ticks[matches.sample], matches.distance_s, matches.request))
@@ -102,8 +96,7 @@ def select_frames(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 
 def check_frame_rate(pts_ticks: np.ndarray, timescale: int, fps: float, relpath: str) -> float:
-    """The median spacing (ticks, NaN under two samples) of the first :data:`FRAME_RATE_SAMPLES`
-    pts; ``MalformedDataset`` unless within one tick of ``timescale / fps`` (SPEC §9.2)."""
+    """SPEC §9.2's frame spacing (ticks; NaN under two samples); MalformedDataset if not fps's."""
     pts = np.sort(np.asarray(pts_ticks[:FRAME_RATE_SAMPLES]).astype(np.int64))
     spacing = float(np.median(np.diff(pts))) if len(pts) > 1 else math.nan
     if not abs(spacing - timescale / fps) >= 1:  # within a tick, or nothing to compare
@@ -155,8 +148,7 @@ def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: flo
 
 
 def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
-    """The decode-order samples whose pts can lie within the tolerance (and two ticks) of
-    ``times_s``: dts rises, and pts − dts stays within the file's composition range."""
+    """The decode-order samples whose pts can lie within the tolerance (and two ticks) of times."""
     finite = np.asarray(times_s, np.float64)
     finite = finite[np.isfinite(finite)]
     if not len(finite):
@@ -164,7 +156,7 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
     clamp = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
     low_ticks = max(-clamp, min(clamp, (float(finite.min()) - tolerance_s) * index.timescale))
     high_ticks = max(-clamp, min(clamp, (float(finite.max()) + tolerance_s) * index.timescale))
-    low, high = index.composition_range
+    low, high = index.composition_range  # dts rises, and pts − dts stays in this range
     return slice(int(np.searchsorted(index.dts, math.floor(low_ticks) - 2 - high, "left")),
                  int(np.searchsorted(index.dts, math.ceil(high_ticks) + 2 - low, "right")))
 
@@ -199,8 +191,7 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
 
 def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_s: float,
                  timestamps_s: np.ndarray) -> tuple[np.ndarray, Span]:
-    """The source-file seconds (float64) at which rows of ``timestamps_s`` query ``camera``
-    (SPEC §9.1), and the span serving them."""
+    """The source seconds at which ``timestamps_s`` query ``camera`` (SPEC §9.1), and their span."""
     row = meta.row(episode)
     from_s, to_s = float(meta.video_from_s[camera][row]), float(meta.video_to_s[camera][row])
     times_s = from_s + np.asarray(timestamps_s).astype(np.float64)
