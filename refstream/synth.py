@@ -288,7 +288,7 @@ def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int
     """(chunk offset width 4 or 8, moov size, mdat header size), by SPEC §7.2's arithmetic."""
     samples = len(layout.sizes)
     moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * len(_runs(layout.durations)[0]) + 4 * samples
-    if np.any(layout.composition != 0):
+    if layout.composition.any():
         moov += 16 + 8 * len(_runs(layout.composition)[0])
     if len(layout.sync) < samples:
         moov += 16 + 4 * len(layout.sync)
@@ -340,26 +340,24 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     vmhd = full_box(b"vmhd", 0, 1, bytes(8))
     dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
 
-    tables = [box(b"stsd", index.stsd), table_box(b"stts", ">u4", *_runs(layout.durations))]
-    if np.any(layout.composition != 0):
-        tables.append(table_box(b"ctts", ">u4", *_runs(layout.composition)))
-    if len(layout.sync) < len(layout.sizes):
-        tables.append(table_box(b"stss", ">u4", layout.sync))
-    tables.append(full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1)))
-    tables.append(full_box(b"stsz", 0, 0, struct.pack(">II", 0, len(layout.sizes)),
-                        layout.sizes.astype(">u4").tobytes()))
-    chunk_offset_box = b"stco" if width == 4 else b"co64"
-    tables.append(table_box(chunk_offset_box, f">u{width}", payload_at + layout.relative))
+    # ctts and stss are left out (empty) when every composition offset is 0, every sample sync.
+    stts = table_box(b"stts", ">u4", *_runs(layout.durations))
+    ctts = (table_box(b"ctts", ">u4", *_runs(layout.composition)) if layout.composition.any()
+            else b"")
+    stss = table_box(b"stss", ">u4", layout.sync) if len(layout.sync) < len(layout.sizes) else b""
+    stsc = full_box(b"stsc", 0, 0, struct.pack(">IIII", 1, 1, 1, 1))
+    stsz = full_box(b"stsz", 0, 0, struct.pack(">II", 0, len(layout.sizes)),
+                    layout.sizes.astype(">u4").tobytes())
+    stco = table_box(b"stco" if width == 4 else b"co64", f">u{width}", payload_at + layout.relative)
 
-    minf = box(b"minf", vmhd, dinf, box(b"stbl", *tables))
+    stbl = box(b"stbl", box(b"stsd", index.stsd), stts, ctts, stss, stsc, stsz, stco)
+    minf = box(b"minf", vmhd, dinf, stbl)
     trak = box(b"trak", tkhd, box(b"edts", elst), box(b"mdia", mdhd, hdlr, minf))
     moov = box(b"moov", mvhd, trak)
     assert len(moov) == moov_size, "synthesized_size and synthesize disagree"
     if mdat_header == 8:
-        mdat = struct.pack(">I4s", 8 + span.byte_length, b"mdat")
-    else:
-        mdat = struct.pack(">I4sQ", 1, b"mdat", 16 + span.byte_length)
-    return ftyp + moov + mdat
+        return ftyp + moov + struct.pack(">I4s", 8 + span.byte_length, b"mdat")
+    return ftyp + moov + struct.pack(">I4sQ", 1, b"mdat", 16 + span.byte_length)
 
 
 def synthesize(index: SampleIndex, span: Span, payload: bytes) -> bytes:
