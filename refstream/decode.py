@@ -126,7 +126,7 @@ class EpisodeDecoder:
         return self.demand is not None and self.demand.get(local + self.start_pts, 0) > 0
 
     def _reach(self, missing: set[int], room: int) -> int:
-        """The frame to decode up to: ``max(missing)``, or its GOP's last wanted later (§10.8)."""
+        """The pts to decode up to: ``max(missing)`` or its GOP's last wanted later (SPEC §10.8)."""
         last = max(missing)
         next_gop = self._keyframes[bisect_right(self._keyframes, last)]  # its first frame's pts
         ahead = [p for p in self._demanded[bisect_right(self._demanded, last):
