@@ -5,10 +5,9 @@ Use::
 
     with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
         frames = decoder.frames(pts_ticks, np.float32)     # (T, 3, H, W), request order
-        decoder.frames(pts_ticks, out=batch[i])            # or into given memory
     cache = DecoderCache(capacity, keep_bytes)   # LRU keyed (episode, camera), one thread's
     decoder = cache.decoder((3, "top"), mp4_bytes, span.start_pts, keyframes=k, demand=counts)
-    decoder.frames(pts_ticks, room=cache.room())
+    decoder.frames(pts_ticks, out=batch[i], room=cache.room())   # into given memory
 """
 
 from __future__ import annotations

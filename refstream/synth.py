@@ -203,9 +203,8 @@ def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_
 def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
                   tolerance_s: float, timestamps_s: np.ndarray | None = None,
                   cameras: Sequence[str] | None = None) -> dict[str, tuple[SampleIndex, Span]]:
-    """camera -> (its file's index, the episode's span in it), for ``cameras`` (default: every
-    camera) at the request times of ``timestamps_s`` (default: the nominal ones, SPEC §9.2);
-    ``indexes`` maps a video relpath to its index."""
+    """camera -> (its file's index in ``indexes``, by relpath; its span) for ``cameras`` (default:
+    all) at the times of ``timestamps_s`` (default: the nominal ones, SPEC §9.2)."""
     if timestamps_s is None:
         timestamps_s = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
     spans = {}
