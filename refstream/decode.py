@@ -41,8 +41,7 @@ class EpisodeDecoder:
                  stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = (),
                  keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
-        # source pts (as serving_pts chooses them) -> requests still to come (None: keep nothing)
-        self.demand = demand
+        self.demand = demand  # source pts -> requests still to come (None: keep nothing)
         self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local ticks
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
