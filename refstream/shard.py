@@ -49,9 +49,9 @@ def episode_ids(ids: Iterable[object], error: type[UsageError] = UsageError) -> 
 
 
 def check_episodes(ids: Sequence[object], **counts: Sequence[int] | None) -> list[int]:
-    """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` in each of ``counts`` given
-    (``frame_counts=frames``: the error says "frame counts")."""
+    """:func:`episode_ids` of ``ids``, each with one count ``≥ 0`` in each of ``counts`` given."""
     ids = episode_ids(ids)
+    # A keyword names its counts in the errors: frame_counts=frames says "frame counts".
     given = {name.replace("_", " "): seq for name, seq in counts.items() if seq is not None}
     for what, seq in given.items():
         if len(ids) != len(seq):
