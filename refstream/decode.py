@@ -1,7 +1,5 @@
 """PyAV decoding of an episode's mini-MP4, held in memory, to RGB frames by presentation time
-(SPEC §10.8, §9.3; the camera values of SPEC §9.1). The only module that imports PyAV.
-
-Use::
+(SPEC §10.8, §9.3; the camera values of SPEC §9.1). The only module that imports PyAV. Use::
 
     with EpisodeDecoder(mp4_bytes, "episode 3 camera top", start_pts=span.start_pts) as decoder:
         frames = decoder.frames(pts_ticks, np.float32)     # (T, 3, H, W), request order
