@@ -12,14 +12,7 @@ The order of a rank's stream is a pure function of its setup, so a checkpoint is
     start = course.positions(rank, state.samples)
     planner = course.planner(rank, w, start.epochs[w], byte_sizes)   # then skip(start.offsets[w])
 
-DataLoader worker ``p`` plays logical worker ``(p + start.rotation) mod N`` (SPEC §3.6, Worker
-positions). :func:`delivered_by` replays the earlier topologies (the ``history``); a
-:class:`Course` plans the rest of those epochs, then ordinary ones, over the current topology.
-
-Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology yields
-exactly the batches the uninterrupted run would have yielded next; with another, the rest of each
-epoch in progress holds every frame not delivered before, once; a checkpoint of another seed,
-strategy, pool setting, repeat or selection is refused, never reinterpreted.
+DataLoader worker ``p`` plays logical worker ``(p + start.rotation) mod N`` (SPEC §3.6).
 """
 
 from __future__ import annotations
@@ -108,8 +101,7 @@ class ResumeState:
         return cls(state["epoch"], state["samples"], setup, _history(state.get("history", [])))
 
     def resume_with(self, current: ResumeSetup) -> ResumeState:
-        """The state to resume from with ``current`` (SPEC §3.9, History); TopologyChanged names
-        every other field that differs as ``name old -> new``."""
+        """The state to resume from with ``current`` (SPEC §3.9, History), else TopologyChanged."""
         old, new = asdict(self.setup), asdict(current)
         changes = [f"{name} {old[name]!r} -> {new[name]!r}" for name in old
                    if name not in TOPOLOGY and old[name] != new[name]]
@@ -203,8 +195,7 @@ def _endless_positions(plans: list, batch_size: int, epoch: int, batches: int) -
 
 
 def _finite_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
-    """Without repeat, the rank passes whole epochs of batches; its workers take turns in the
-    epoch reached, each stopping where its turns in that epoch end."""
+    """Without repeat, the rank passes whole epochs of batches (SPEC §3.9, Positions)."""
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
     passed, batches = _walk(batches, per_epoch[:-1], per_epoch[-1])
@@ -253,10 +244,8 @@ class _Epoch:
 
 
 class Course:
-    """Every rank's and worker's plans of the selected ``episodes`` (``frames`` each) under
-    ``setup``: the rest of the epochs in progress, then ordinary epochs (SPEC §3.9, Plans;
-    ShardingError for an empty ordinary share). ``limits`` are one worker's (SPEC §2.3), with
-    ``decoder_cache`` and ``cameras``, which do not change the order."""
+    """Every rank's and worker's plans under ``setup`` (SPEC §3.9, Plans). ``decoder_cache`` and
+    ``cameras`` complete one worker's ``limits`` (SPEC §2.3); they do not change the order."""
 
     def __init__(self, setup: ResumeSetup, episodes: Sequence[int], frames: Sequence[int],
                  delivered: Delivered, *, decoder_cache: int | None = None,

@@ -1,8 +1,6 @@
 """``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader
-(SPEC §9).
-
-Use (ready batches, the fastest path: each frame is decoded once, straight into the shared
-memory the training process receives)::
+(SPEC §9). Use (ready batches, the fastest path: each frame is decoded once, straight into the
+shared memory the training process receives)::
 
     dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0,
                                batch_size=B, batched=True)
@@ -10,21 +8,16 @@ memory the training process receives)::
     for epoch in range(epochs):
         dataset.set_epoch(epoch)
         for batch in loader: ...
+    state = dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)  # a checkpoint
+    dataset.load_state_dict(state)  # before iter(loader): continue from it (SPEC §9.4, §3.9)
 
-Without ``set_epoch``, each new iterator (``cycle(loader)``) plays the next epoch (SPEC §9.4).
-Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. A sample
-equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its share in the
-order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
-B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` before
-``iter(loader)`` continues from it, also with another world size, worker count or batch size.
-Distributed runs: SPEC §9.5. ``__init__`` (the main process) reads the metadata and makes sure
-the sidecar index exists; the position lives in shared memory, so persistent workers see it.
+Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. The
+position lives in shared memory, so persistent workers see it.
 
-Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, so that a
-DataLoader batching ready batches raises UsageError instead of stacking them into wrong ones.
-torch documents that map as the way to extend ``default_collate`` but exports it only from the
-private ``torch.utils.data._utils.collate``: if torch moves it, this import fails; if torch stops
-reading it, ``tests/test_batches.py::test_a_dataloader_batching_ready_batches_is_refused`` fails.
+Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, the documented
+way to extend ``default_collate``, so a DataLoader batching ready batches raises UsageError. The
+map lives in the private ``torch.utils.data._utils.collate``: if torch moves it, this import
+fails; if torch stops reading it, ``test_a_dataloader_batching_ready_batches_is_refused`` fails.
 """
 
 
@@ -75,16 +68,14 @@ default_collate_fn_map[Batch] = _refuse_batches  # see the module docstring
 
 
 class StreamingDataset(IterableDataset):
-    """A LeRobot v3 dataset streamed episode by episode (see the module docstring).
-
-    ``root``: a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
-    ``episode_pool_size`` and ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
+    """A LeRobot v3 dataset streamed episode by episode. ``root``: a folder, an ``http(s)://``
+    base URL or ``hf://datasets/OWNER/NAME[@REV]``. ``episode_pool_size`` and
+    ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
     ``video_decoder_cache_size`` per rank, split over its workers (SPEC §2.3). ``batch_size`` (the
     DataLoader's, or with ``batched`` the dataset's own batches) is needed for the distributed end
     of a finite epoch and for checkpoints. ``decode_threads`` decode each group of
     ``decoded_queue_size`` samples (of ``batch_size`` when batched). ``sidecar_lock_timeout_s``:
-    the wait for another process building the video index (SPEC §10.6).
-    """
+    the wait for another process building the video index (SPEC §10.6)."""
 
     def __init__(self, root: str | os.PathLike, *, episodes: Sequence[int] | None = None,
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None,

@@ -4,19 +4,12 @@
     with contextlib.closing(WorkerStream(config, share, limits)) as worker:  # plans spans
         yield from worker.stream(runs, in_worker=True)
 
-``config`` (a :class:`WorkerConfig`) is all a worker knows of the dataset: made once in the main
-process, it is pickled to the workers. ``runs`` gives ``(planner, offset, stop)`` per epoch.
-Fetch threads fetch each admitted episode: its rows and, per camera, its span made a mini-MP4 and
-the frame serving each row. Samples are made ``config.group`` at a time, their frames decoded by
-the decode threads into the group's tensors. A ready :class:`Batch`'s camera tensors are shared
-memory (:class:`SharedBuffers`): they cross to the training process as handles and are written
-again once that process dropped them.
-
-:class:`SharedBuffers` allocates in shared memory with torch's private
-``UntypedStorage._new_shared``, as torch's own ``default_collate`` does: the public
+``config`` is made once in the main process and pickled to the workers. A ready :class:`Batch`'s
+camera tensors are shared memory: the training process receives them as handles, and the worker
+writes them again once that process dropped them. :class:`SharedBuffers` allocates them with
+torch's private ``UntypedStorage._new_shared``, as ``default_collate`` does: the public
 ``share_memory_()`` copies a new tensor there, about 3.5 times as slow (65 ms more for a 73 MiB
-buffer). If torch renames it, the first ready batch raises AttributeError, which every test of
-ready batches (``tests/test_batches.py``) shows.
+buffer). If torch renames it, every test of ready batches (``tests/test_batches.py``) fails.
 """
 
 from __future__ import annotations
@@ -259,10 +252,8 @@ class WorkerStream:
         yield DECODE_FIRST
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors (each decode thread the requests of its own
-        decoders, those gathered while a payload is awaited), then free the episodes they finish,
-        then fetch the other residents and prefetch. The decoders may keep decoded frames that
-        later anchors request, in the bytes the budget has not reserved (SPEC §9.3)."""
+        """Gather and decode the group's new anchors, free the episodes they finish, fetch the other
+        residents and prefetch; decoders keep frames in the bytes not reserved (SPEC §9.3)."""
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
@@ -357,8 +348,7 @@ class WorkerStream:
         return True
 
     def _prefetch(self, planner: Planner) -> None:
-        """Reserve and fetch the planner's frontier episodes while they fit without evicting
-        anything (SPEC §9.3)."""
+        """Reserve and fetch frontier episodes while they fit without evicting (SPEC §9.3)."""
         frontier = planner.frontier(self.config.prefetch_episodes)
         for episode in frontier:
             if episode in self.payloads:
@@ -371,8 +361,7 @@ class WorkerStream:
         self.budget.touch(reversed(frontier))
 
     def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
-        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once),
-        for its anchors ``drawn`` and to come."""
+        """Fetch ``episode`` for its anchors ``drawn`` and to come, once per reservation."""
         if self.budget.claim_fetch(episode):
             anchors = np.array([*drawn, *planner.frames_to_come(episode)], dtype=np.int64)
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode, anchors)
@@ -434,8 +423,7 @@ class WorkerStream:
 
 
 def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
-    """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
-    Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
+    """What LeRobot's ``hf_transform_to_torch`` makes of row values (SPEC §9.1, ``V``)."""
     array = np.asarray(values)
     dtype = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}.get(array.dtype.kind)
     return array.tolist() if dtype is None else torch.from_numpy(array.astype(dtype))
