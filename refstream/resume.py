@@ -300,8 +300,7 @@ class Course:
 
     def planner(self, rank: int, worker: int, epoch: int,
                 byte_sizes: Mapping[int, int] | None) -> Planner:
-        """The plan of logical worker ``worker`` of ``rank`` in ``epoch``; ``byte_sizes`` of its
-        episodes apply the budget (None: no budget)."""
+        """The plan of ``worker`` of ``rank`` in ``epoch`` (``byte_sizes`` None: no budget)."""
         plan = self._epoch(epoch)
         share = plan.shares[rank][worker]
         at = [self._index[e] for e in share]
@@ -313,8 +312,7 @@ class Course:
             byte_budget=budget, delivered=plan.delivered[at].tolist())
 
     def after(self, samples: int, byte_sizes: Mapping[int, int] | None) -> Delivered:
-        """What has been delivered once every rank consumed ``samples`` with this topology;
-        under a byte budget the replay needs every episode's ``byte_sizes``."""
+        """What has been delivered once every rank consumed ``samples`` with this topology."""
         starts = [self.positions(rank, samples) for rank in range(self.setup.world_size)]
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),

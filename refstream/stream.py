@@ -71,11 +71,10 @@ class StreamingDataset(IterableDataset):
     """A LeRobot v3 dataset streamed episode by episode. ``root``: a folder, an ``http(s)://``
     base URL or ``hf://datasets/OWNER/NAME[@REV]``. ``episode_pool_size`` and
     ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
-    ``video_decoder_cache_size`` per rank, split over its workers (SPEC §2.3). ``batch_size`` (the
-    DataLoader's, or with ``batched`` the dataset's own batches) is needed for the distributed end
-    of a finite epoch and for checkpoints. ``decode_threads`` decode each group of
-    ``decoded_queue_size`` samples (of ``batch_size`` when batched). ``sidecar_lock_timeout_s``:
-    the wait for another process building the video index (SPEC §10.6)."""
+    ``video_decoder_cache_size`` per rank (SPEC §2.3). ``batch_size``: the DataLoader's, or with
+    ``batched`` the dataset's own (SPEC §9.4, §9.5). ``decode_threads`` decode each group of
+    ``decoded_queue_size`` samples (``batch_size`` when batched). ``sidecar_lock_timeout_s``: the
+    wait for another process building the video index (SPEC §10.6)."""
 
     def __init__(self, root: str | os.PathLike, *, episodes: Sequence[int] | None = None,
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None,
@@ -90,9 +89,16 @@ class StreamingDataset(IterableDataset):
                  sidecar_lock_timeout_s: float | None = None) -> None:
         super().__init__()
         # 1. The arguments, checked and kept.
-        _check_settings(sampling_strategy, byte_budget_gb, batch_size, batched,
-                        prefetch_episodes=prefetch_episodes, num_workers=num_workers,
-                        decode_threads=decode_threads, decoded_queue_size=decoded_queue_size)
+        if sampling_strategy not in STRATEGIES:
+            raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, "
+                             f"got {sampling_strategy!r}")
+        if not byte_budget_gb > 0:
+            raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
+        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        errors.check_at_least(1, decode_threads=decode_threads,
+                              decoded_queue_size=decoded_queue_size, batch_size=batch_size)
+        if batched and not batch_size:
+            raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -147,9 +153,8 @@ class StreamingDataset(IterableDataset):
             _warn_idle(num_workers, self._most_workers)
 
     def __len__(self) -> int:
-        """What an epoch of this rank yields (SPEC §9.5): batches with ``batched``; else samples
-        or, with ``batch_size`` and no ``repeat``, batches × ``batch_size``, so the DataLoader's
-        ``len`` is its batch count. Batch counts need ``num_workers`` (IterableOnly)."""
+        """What an epoch of this rank yields: batches with ``batched``, else samples, or batches ×
+        ``batch_size`` with ``batch_size`` and no ``repeat``; batches need ``num_workers``."""
         if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
@@ -169,16 +174,14 @@ class StreamingDataset(IterableDataset):
                            "iterate it (a DataLoader, or iter(dataset)) instead")
 
     def selection_stats(self) -> dict:
-        """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
-        §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
+        """The selected episodes' own statistics, combined as LeRobot combines them (SPEC §4.7)."""
         with contextlib.closing(open_source(self.config.root)) as source:
             return selection_stats(source, self.meta, self.episodes)
 
     # --- position: epochs and resume ----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
-        ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
+        """Start the next iterator at the beginning of ``epoch`` (SPEC §9.4)."""
         errors.check_int(epoch, "epoch", 0)
         if epoch == self._resumes_into and not int(self._position[_PASS]):
             return
@@ -192,8 +195,7 @@ class StreamingDataset(IterableDataset):
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
         """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
-        the position was last set (construction, ``set_epoch``, ``load_state_dict``), with a
-        DataLoader of ``num_workers`` workers (SPEC §9.4)."""
+        the position was last set, with a DataLoader of ``num_workers`` workers (SPEC §9.4)."""
         epoch = int(self._position[_EPOCH])
         course, base = self._start(batch_size, max(1, num_workers))
         start = course.positions(self.rank, base)
@@ -285,9 +287,8 @@ class StreamingDataset(IterableDataset):
                              "the same count")
 
     def _worker_plan(self, worker: int, num_workers: int, later: int) -> resume.WorkerPlan | None:
-        """What DataLoader worker ``worker`` plays, None if it is idle: from the position, or,
-        ``later`` iterators after the one that started there, the next epoch from its beginning
-        (SPEC §9.4)."""
+        """What DataLoader worker ``worker`` plays, None if it is idle: from the position, or
+        ``later`` iterators after the first, the next epoch from its beginning (SPEC §9.4)."""
         course, samples = self._start(self.batch_size or 1, num_workers)
         if later and not self.repeat:
             epoch = min(course.positions(self.rank, samples).epochs) + later
@@ -340,20 +341,6 @@ def _warn_idle(num_workers: int, playing: int) -> None:
                   "gives the same batches)", stacklevel=3)
 
 
-def _check_settings(strategy: str, byte_budget_gb: float, batch_size: int | None, batched: bool,
-                    **counts: int | None) -> None:
-    if strategy not in STRATEGIES:
-        raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not byte_budget_gb > 0:
-        raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-    errors.check_at_least(0, prefetch_episodes=counts["prefetch_episodes"],
-                          num_workers=counts["num_workers"])
-    errors.check_at_least(1, decode_threads=counts["decode_threads"],
-                          decoded_queue_size=counts["decoded_queue_size"], batch_size=batch_size)
-    if batched and not batch_size:
-        raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
-
-
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Arguments, else as SPEC §9.5 says; UsageError unless the rank is in the world."""
     if rank is None or world_size is None:
@@ -368,8 +355,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def _video_index(source, meta: DatasetMeta, lock_timeout_s: float) -> VideoIndex | None:
-    """The video index (SPEC §10.6), every video's frame rate checked before any worker starts;
-    None without cameras."""
+    """The video index (SPEC §10.6), every frame rate checked (§9.2); None without cameras."""
     if not meta.camera_keys:
         return None
     index = ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s)

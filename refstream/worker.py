@@ -128,8 +128,7 @@ def _received(values: dict, in_use: dict) -> Batch:
 
 
 class SharedBuffers:
-    """A worker's camera tensors in shared memory, each with an *in-use flag* ``(flags, cell)``
-    (shared too): set while a batch holding it is away, cleared by the process that dropped it."""
+    """A worker's camera tensors in shared memory, each with an in-use flag ``(flags, cell)``."""
 
     def __init__(self) -> None:
         self.flags = torch.zeros(MAX_SHARED_BUFFERS, dtype=torch.uint8).share_memory_()
@@ -199,8 +198,7 @@ class WorkerStream:
 
     def stream(self, runs: Iterator[tuple[Planner, int, int | None]],
                in_worker: bool) -> Iterator[dict]:
-        """The runs' samples, or (``config.batched``) Batches of ``config.group`` of them
-        (``in_worker``: to be pickled)."""
+        """The runs' samples, or Batches of ``config.group`` (``in_worker``: to be pickled)."""
         group, batched = self.config.group, self.config.batched
         shared = batched and self.config.image_transforms is None
         made = self._group(group, shared)
@@ -230,9 +228,8 @@ class WorkerStream:
         return _Group(frames, in_use)
 
     def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
-        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST
-        where the anchors given so far must be decoded first: while an admission waits for the
-        room they free, and at the run's end (the next run admits the same episodes again)."""
+        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST while
+        an admission waits for the room the anchors given so far free, and at the run's end."""
         planner.skip(offset)
         planner.drain_events()
         anchors = planner.remaining if stop is None else max(0, stop - offset)
@@ -249,7 +246,7 @@ class WorkerStream:
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
             self._start_fetch(episode, planner, (frame,))  # in the order anchors need them
             yield episode, frame
-        yield DECODE_FIRST
+        yield DECODE_FIRST  # the next run admits the same episodes again
 
     def _decode(self, made: _Group, planner: Planner) -> None:
         """Gather and decode the group's new anchors, free the episodes they finish, fetch the other
