@@ -15,9 +15,8 @@ evicts. The calls of one worker, in the order it makes them::
     budget.take_evicted()                # evicted since the last call: drop their payloads
     budget.close()                       # every waiter wakes with BudgetClosed
 
-The state machine of SPEC §8.6 lives here only, with the one rule of what fits (:func:`fits`,
-:func:`check_episode_size`) that the planner applies too. After ``close()`` releasing calls do
-nothing, so cleanup paths never raise.
+The one rule of what fits (:func:`fits`, :func:`check_episode_size`) serves the planner too.
+Releasing calls do nothing after ``close()``, so cleanup paths never raise.
 """
 
 from __future__ import annotations

@@ -75,9 +75,8 @@ class ResumeState:
 
     def to_dict(self) -> dict:
         """The flat JSON-ready dict that :meth:`from_dict` reads back."""
-        history = [list(astuple(segment)) for segment in self.history]
         return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup),
-                "history": history}
+                "history": [list(astuple(segment)) for segment in self.history]}
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:

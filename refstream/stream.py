@@ -11,8 +11,7 @@ shared memory the training process receives)::
     state = dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)  # a checkpoint
     dataset.load_state_dict(state)  # before iter(loader): continue from it (SPEC §9.4, §3.9)
 
-Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. The
-position lives in shared memory, so persistent workers see it.
+The position lives in shared memory, so persistent workers see it.
 
 Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, the documented
 way to extend ``default_collate``, so a DataLoader batching ready batches raises UsageError. The
@@ -311,10 +310,11 @@ class StreamingDataset(IterableDataset):
             f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"))
 
     def _enter(self, info) -> int:
-        """How many iterators started before this one since the position was set. Every worker
-        of one DataLoader iterator computes the same key (from the iterator's base seed and, for
-        persistent workers, their own iterator count); the first to arrive counts the iterator."""
+        """How many iterators started before this one since the position was set."""
         self._iterators += 1
+        # Every worker of one DataLoader iterator computes the same key (from the iterator's base
+        # seed and, for persistent workers, their own iterator count); the first to arrive counts
+        # the iterator.
         base = os.getpid() if info is None else info.seed - info.id
         key = hash((base, self._iterators)) % (1 << 30) + 1  # never 0, the word's initial key
         word = int(self._position[_PASS])

@@ -99,8 +99,7 @@ class _Group:
 
 
 class Batch(dict):
-    """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
-    default collation stacks them. Pickled in a worker, it carries its small tensors inside and
+    """A ready batch (SPEC §9.2). Pickled in a worker, it carries its small tensors inside and
     handles to its shared camera tensors, whose ``in_use`` flags the receiver clears."""
 
     __slots__ = ("in_use",)
@@ -173,8 +172,7 @@ class WorkerStream:
                      "task"]
         # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
         # nothing, and one path reserves, fetches and frees.
-        self.index = MappedIndex(config.video_index)
-        self.spans, self.byte_sizes = plan_spans(config, share, self.index)
+        self.spans, self.byte_sizes = plan_spans(config, share, MappedIndex(config.video_index))
         self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
                             for camera, (index, _) in self.spans[share[0]].items()}
         self.source = open_source(config.root)
@@ -249,8 +247,8 @@ class WorkerStream:
         yield DECODE_FIRST  # the next run admits the same episodes again
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors, free the episodes they finish, fetch the other
-        residents and prefetch; decoders keep frames in the bytes not reserved (SPEC §9.3)."""
+        """Decode the group's new anchors; free the episodes they finish; fetch and prefetch."""
+        # Decoders keep frames for later anchors in the bytes not reserved (SPEC §9.3).
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
@@ -372,8 +370,7 @@ class WorkerStream:
 
     def _fetch(self, episode: int, anchors: np.ndarray
                ) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
-        """An episode's rows (Parquet column -> one value per frame) and videos (by camera) for
-        its ``anchors`` still to come."""
+        """An episode's rows (column -> a value per frame) and videos for ``anchors`` to come."""
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
