@@ -65,8 +65,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class ResumeState:
-    """A checkpoint: ``samples`` the rank consumed (whole batches) with ``setup``'s topology,
-    after the ``history`` of earlier topologies, since ``epoch`` began."""
+    """A checkpoint (SPEC §3.6, Resume state; §3.9, History)."""
 
     epoch: int
     samples: int

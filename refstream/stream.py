@@ -193,8 +193,7 @@ class StreamingDataset(IterableDataset):
                                            _digest(self._history), 0]))
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
-        """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
-        the position was last set, with a DataLoader of ``num_workers`` workers (SPEC §9.4)."""
+        """A checkpoint after the rank consumed ``samples`` since the position was set (§9.4)."""
         epoch = int(self._position[_EPOCH])
         course, base = self._start(batch_size, max(1, num_workers))
         start = course.positions(self.rank, base)
@@ -214,8 +213,7 @@ class StreamingDataset(IterableDataset):
         return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
-        """Start every following iterator where ``state`` left off, with ``num_workers``
-        DataLoader workers (default: the checkpoint's), as SPEC §9.4 says."""
+        """Start every following iterator where ``state`` left off (SPEC §9.4)."""
         if self.batch_size is None:
             raise UsageError("load_state_dict needs the batch size to place every worker: "
                              "build the dataset with batch_size=B")
@@ -286,8 +284,7 @@ class StreamingDataset(IterableDataset):
                              "the same count")
 
     def _worker_plan(self, worker: int, num_workers: int, later: int) -> resume.WorkerPlan | None:
-        """What DataLoader worker ``worker`` plays, None if it is idle: from the position, or
-        ``later`` iterators after the first, the next epoch from its beginning (SPEC §9.4)."""
+        """What DataLoader worker ``worker`` plays, None if it is idle (``later``: SPEC §9.4)."""
         course, samples = self._start(self.batch_size or 1, num_workers)
         if later and not self.repeat:
             epoch = min(course.positions(self.rank, samples).epochs) + later
