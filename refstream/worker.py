@@ -345,9 +345,7 @@ class WorkerStream:
     def _prefetch(self, planner: Planner) -> None:
         """Reserve and fetch frontier episodes while they fit without evicting (SPEC §9.3)."""
         frontier = planner.frontier(self.config.prefetch_episodes)
-        for episode in frontier:
-            if episode in self.payloads:
-                continue
+        for episode in frontier:  # one reserved already is fetched already: it passes
             if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the frontier's order, retry after the next release
             self._start_fetch(episode, planner)
