@@ -355,8 +355,7 @@ class WorkerPlan:
 
 def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[int],
                  byte_sizes: Mapping[int, int] | None = None) -> Delivered:
-    """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (SPEC
-    §3.9); under a byte budget ``byte_sizes`` (of every episode) are needed, else UsageError."""
+    """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (§3.9)."""
     if state.setup.byte_budget is not None and byte_sizes is None:
         raise UsageError("replaying workers under a byte budget needs every episode's byte sizes")
     delivered = Delivered(state.epoch)
