@@ -9,12 +9,7 @@ Use::
 :func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
 file's boxes; :func:`decoder_setup` says which files' decoders are set up alike. Words: an
 *offset* is a byte position (``end``: the file offset where a box or its parent ends; ``limit``:
-a position in the bytes at hand); *composition* is ``pts − dts``, in ticks. ``pts`` and ``dts``
-equal FFmpeg's; a file it would re-time is refused rather than indexed differently. An entry
-count is checked against its box before anything is allocated. Errors name the file, box and
-offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
-:class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
-:class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
+a position in the bytes at hand); *composition* is ``pts − dts``, in ticks.
 """
 
 from __future__ import annotations
@@ -60,9 +55,8 @@ class Box:
 
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
-    """Per-sample index of the first video track of one MP4, in decode order. Parsed, the arrays
-    are ``int64`` (``keyframe`` bool); mapped from the video index (``refstream.sidecar``) they
-    are read-only views in a narrower stored dtype: widen before arithmetic that could wrap."""
+    """Per-sample index of one MP4's first video track, in decode order. From the video index
+    (``refstream.sidecar``) the arrays are read-only, narrower views: widen before arithmetic."""
 
     path: str  # for messages only
     file_size: int  # bytes
@@ -109,8 +103,7 @@ class EditList:
 
 
 def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) -> Box:
-    """The box whose header is at ``data[pos:limit]`` (SPEC §6.1); ``base`` is the file offset of
-    ``data[0]`` and ``end`` the file offset where its parent (or the file) ends."""
+    """The box (SPEC §6.1) whose header is at ``data[pos:limit]``, ``data[0]`` at ``base``."""
     where = base + pos
     if limit - pos < 8:
         raise MalformedMp4(f"{path}: truncated box header at offset {where}")
@@ -233,7 +226,6 @@ class _Moov:
         return rows.reshape(count, columns)
 
     def bad(self, box: Box, message: str, error: type[Mp4Error] = MalformedMp4) -> Mp4Error:
-        """``error`` naming the file, the box and its offset."""
         return error(f"{self.path}: box '{box.type}' at offset {box.offset}: {message}")
 
 
