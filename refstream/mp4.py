@@ -231,8 +231,7 @@ class _Moov:
 
 def _video_track(m: _Moov) -> Box:
     for trak in (b for b in m.children(m.box) if b.type == "trak"):
-        mdia = m.child(trak, "mdia")
-        hdlr = m.child(mdia, "hdlr")
+        hdlr = m.child(m.child(trak, "mdia"), "hdlr")
         if m.unpack(hdlr, 8, ">4s", "handler_type")[0] == b"vide":
             return trak
     raise UnsupportedMp4(f"{m.path}: no video track (no 'trak' with a 'vide' handler)")
@@ -285,8 +284,7 @@ def _sizes(m: _Moov, stbl: Box, file_size: int) -> np.ndarray:
     field_size, count = m.unpack(stz2, 7, ">BI", "field_size/sample_count")
     if field_size == 4:
         packed = m.table(stz2, 12, (count + 1) // 2, ">u1", 1, "sample_count")[:, 0]
-        nibbles = np.stack([packed >> 4, packed & 0xF], axis=1).reshape(-1)
-        return nibbles[:count]
+        return np.stack([packed >> 4, packed & 0xF], axis=1).reshape(-1)[:count]  # high: earlier
     if field_size in (8, 16):
         return m.table(stz2, 12, count, f">u{field_size // 8}", 1, "sample_count")[:, 0]
     raise m.bad(stz2, f"field_size {field_size} is not 4, 8 or 16")
@@ -340,9 +338,7 @@ def _keyframes(m: _Moov, stbl: Box, n: int) -> np.ndarray:
     numbers = m.table(stss, 8, count, ">u4", 1, "entry_count")[:, 0]
     if numbers[0] < 1 or numbers[-1] > n or np.any(np.diff(numbers) <= 0):
         raise m.bad(stss, f"sync sample numbers must increase within 1..{n}")
-    keyframe = np.zeros(n, dtype=bool)
-    keyframe[numbers - 1] = True
-    return keyframe
+    return np.isin(np.arange(1, n + 1), numbers)
 
 
 def _edit_list(m: _Moov, trak: Box) -> EditList | None:
@@ -384,8 +380,7 @@ def _rescale(ticks: int, to_scale: int, from_scale: int) -> int:
 def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: int,
                 movie_timescale: int, keyframe: np.ndarray):
     """(dts, pts, duration) int64 arrays in the media timescale (SPEC §6.4–6.5)."""
-    stts = m.child(stbl, "stts")
-    counts, deltas = _runs(m, stts, n)
+    counts, deltas = _runs(m, m.child(stbl, "stts"), n)
     duration = np.repeat(deltas, counts)
     decode = np.cumsum(duration) - duration
 
