@@ -6,9 +6,8 @@ Use::
     selection_stats(source, meta, [3, 7])     # the statistics of those episodes alone
     aggregate_stats(episode_stats(table))     # combined from an episodes table's own columns
 
-A statistics dict maps each feature to ``{stat: array}``, float64 (``count`` int64), loaded and
-combined (a selection's from its episodes' own) by SPEC §4.7. The module reads no file:
-:mod:`refstream.meta` reads the bytes and the rows (``meta.episode_rows``) it is given.
+The module reads no file: :mod:`refstream.meta` reads the bytes and the rows
+(``meta.episode_rows``) it is given.
 """
 
 from __future__ import annotations
