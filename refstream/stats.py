@@ -86,11 +86,9 @@ def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> d
     weights = counts.reshape(counts.shape + (1,) * (means.ndim - counts.ndim))
     mean = (means * weights).sum(axis=0) / total
     variance = ((stacked["std"] ** 2 + (means - mean) ** 2) * weights).sum(axis=0) / total
-    combined = {"min": stacked["min"].min(axis=0), "max": stacked["max"].max(axis=0),
-                "mean": mean, "std": np.sqrt(variance), "count": total}
-    for name in quantiles:
-        combined[name] = (stacked[name] * weights).sum(axis=0) / total
-    return combined
+    return {"min": stacked["min"].min(axis=0), "max": stacked["max"].max(axis=0),
+            "mean": mean, "std": np.sqrt(variance), "count": total,
+            **{name: (stacked[name] * weights).sum(axis=0) / total for name in quantiles}}
 
 
 def _stat_array(value: object, where: str, name: str) -> np.ndarray:
