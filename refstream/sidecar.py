@@ -236,7 +236,7 @@ def _stored_arrays(array: np.ndarray, count: int, names: tuple[str, ...],
         allowed = (FLAG_DTYPE,) if name == "keyframe" else NARROW_DTYPES
         if field.shape != (count,) or field.base not in allowed:
             raise ValueError(f"{name} is {field}, expected one of {allowed} x ({count},)")
-        arrays[name] = array[name][0]
+        arrays[name] = np.asarray(array[name][0])  # an ndarray view: memmap slicing is slow
         arrays[name].flags.writeable = False
     return arrays
 

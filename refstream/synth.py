@@ -54,7 +54,9 @@ class Matches:
 
     def unserved(self, count: int) -> np.ndarray:
         """Positions (int64, ascending) of the ``count`` requests no sample serves."""
-        return np.setdiff1d(np.arange(count), self.request)
+        served = np.zeros(count, bool)
+        served[self.request] = True
+        return np.flatnonzero(~served)
 
 
 def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,

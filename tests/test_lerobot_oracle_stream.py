@@ -35,9 +35,7 @@ def oracle(tmp_path_factory) -> tuple[Path, dict]:
     return root, items
 
 
-@pytest.fixture(autouse=True)
-def _sidecar_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("session_index_cache")
 
 
 def _expected(items: dict, keys: dict, tasks: list[str], index: int) -> dict:

@@ -48,9 +48,7 @@ WINDOWS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _sidecar_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("session_index_cache")
 
 
 @pytest.fixture(scope="module", params=["av1", "h264"])

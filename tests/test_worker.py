@@ -31,9 +31,7 @@ WINDOWS = {CAMERAS[0]: [-2 / FPS, 0.0], "action": [0.0, 1 / FPS]}
 SHARE = [0, 2, 3, 5, 6]
 
 
-@pytest.fixture(autouse=True)
-def _sidecar_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("REFSTREAM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("session_index_cache")
 
 
 @pytest.fixture(scope="module")
