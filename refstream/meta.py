@@ -173,7 +173,7 @@ def load_meta(source: Source) -> DatasetMeta:
         # LeRobot's view, under its names
         info=SimpleNamespace(**info), episodes=columns, robot_type=info.get("robot_type"),
         video_keys=cameras, image_keys=[], total_tasks=len(tasks),
-        depth_keys=[key for key, feature in info["features"].items() if _is_depth(feature)],
+        depth_keys=[],  # a depth map is refused (SPEC §4.2)
         has_language_columns=any(key in info["features"] for key in LANGUAGE_COLUMNS))
     _check_episodes(meta)
     _check_paths(meta)
@@ -218,6 +218,10 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
         if feature["dtype"] == "image":
             raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (in "
                                      "Parquet); refstream streams only cameras stored as videos")
+        if feature["dtype"] == "video" and _is_depth(feature):
+            raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} is a depth map, which LeRobot "
+                                     "decodes as 12-bit gray and dequantizes; refstream decodes "
+                                     "RGB only: read this dataset with LeRobotDataset")
     cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
     _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
     if cameras or info.get("video_path") is not None:
