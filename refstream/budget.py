@@ -1,9 +1,7 @@
 """The byte budget: a thread-safe table of whole-episode reservations (SPEC §8.6, §9.3).
 
-The table counts bytes and never holds payloads: the caller keeps them and drops the payloads of
-every episode the table *evicts* (drops a fetched, unleased reservation, least recently used
-first, to make room). A *lease* is one hold on a reservation that keeps it from eviction. The
-calls of one worker, in the order it makes them::
+The table counts bytes and never holds payloads: the caller drops the payloads of the episodes it
+evicts. The calls of one worker, in the order it makes them::
 
     budget = ByteBudget(budget_bytes)
     budget.reserve_in_room(e, size)      # prefetch: reserve only if it fits without evicting
@@ -17,10 +15,8 @@ calls of one worker, in the order it makes them::
     budget.take_evicted()                # evicted since the last call: drop their payloads
     budget.close()                       # every waiter wakes with BudgetClosed
 
-The state machine is SPEC §8.6 and lives here only, with the one rule of what fits (:func:`fits`,
-:func:`check_episode_size`) that the planner applies too. ``acquire`` is the only call that
-blocks, on a condition woken by every change that can free room. After ``close()`` releasing
-calls do nothing, so cleanup paths never raise.
+The one rule of what fits (:func:`fits`, :func:`check_episode_size`) serves the planner too.
+Releasing calls do nothing after ``close()``, so cleanup paths never raise.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Every exception refstream raises, in one place: SPEC §12 lists them, each one's parent (whose
-fault it is) and the conformance kinds that may expect it.
+"""Every exception refstream raises, in one place (SPEC §12 lists them and whose fault each is).
 
-A class that matches a builtin category also derives from it (``ValueError``, ``TimeoutError``,
-``OSError``), so generic handlers keep working. Each foreign family is translated once, at its
-edge, with ``raise … from exc``: ``OSError`` in ``source``, ``requests`` in ``http``, pyarrow in
-``meta`` and ``tables``, a corrupt NPY or ZIP file in ``sidecar``, PyAV in ``decode``. An error
-a DataLoader raises again from a worker keeps the worker's message as its own, and the worker's
-traceback apart in ``worker_traceback`` (:func:`_from_worker`, the last section).
+A class that matches a builtin category also derives from it, so generic handlers keep working.
+Each foreign family is translated once, at its edge, with ``raise … from exc``: ``OSError`` in
+``source``, ``requests`` in ``http``, pyarrow in ``meta`` and ``tables``, a corrupt NPY or ZIP
+file in ``sidecar``, PyAV in ``decode``. An error raised again from a DataLoader worker keeps the
+worker's message as its own, and its traceback apart (:func:`_from_worker`).
 """
 
 from __future__ import annotations

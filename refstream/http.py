@@ -1,5 +1,4 @@
-"""HTTP(S) byte sources: one range per request, each answer judged before its body is read,
-transient failures retried, rate limits waited out (SPEC §8.2 answers, §8.3, §8.1 identities).
+"""HTTP(S) byte sources: ranges, answers, retries and identities (SPEC §8.1–8.3).
 
 Usage::
 
@@ -7,9 +6,8 @@ Usage::
     source.read_range("data/chunk-000/file-000.parquet", 0, 4096)   # the refstream.source calls
 
 :func:`judge_response` is I/O-free: a request and its answer's status and headers give a decision
-(:class:`Accept`, :class:`Retry`, :class:`FallBack`) or the error that ends the request.
-:class:`HTTPSource` does the I/O around it, turns ``requests`` errors into refstream's, and logs
-each retry and wait at WARNING on ``refstream.http``, never a token or a request header.
+or an error. :class:`HTTPSource` does the I/O around it and logs each retry and wait at WARNING
+on ``refstream.http``, never a token or a request header.
 """
 
 from __future__ import annotations
@@ -212,8 +210,7 @@ def _check_size(known_size: int | None, total: int | None, where: str) -> None:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long to retry a transient failure, and how long one request may wait
-    on rate limits in all (SPEC §8.3; seconds; default ``$REFSTREAM_RATE_LIMIT_WAIT_S``)."""
+    """How one request retries and waits out rate limits, in seconds (SPEC §8.3)."""
 
     max_attempts: int = 5
     backoff_base_s: float = 0.25
@@ -360,11 +357,6 @@ class HTTPSource(Source):
             if not isinstance(decision, Accept) or request.method == "HEAD":
                 return _Answer(b"", hops) if isinstance(decision, Accept) else decision
             body, broken = self._read_body(response, decision.body_bytes)
-        return self._answer(request, decision, body, broken, hops)
-
-    def _answer(self, request: _Request, decision: Accept, body: bytes, broken: str,
-                hops: list[requests.Response]) -> _Answer | Retry:
-        """The answer in a body read whole (``broken`` says how the connection broke, if so)."""
         expected, where = decision.body_bytes, request.where
         if broken or (expected is not None and len(body) < expected):
             of = "" if expected is None else f" of {expected}"
@@ -380,8 +372,7 @@ class HTTPSource(Source):
         return _Answer(body, hops)
 
     def _get(self, request: _Request) -> _Answer | FallBack | None:
-        """Attempted until the answer is no :class:`Retry` (a failed connection is one); one that
-        says when to retry is waited out without using an attempt (SPEC §8.3)."""
+        """``request`` attempted until the answer is no :class:`Retry` (SPEC §8.3)."""
         policy, number, waited_s = self.retry, 1, 0.0
         while number <= policy.max_attempts:
             try:

@@ -8,9 +8,7 @@ Usage::
     pinned_root(root, source.identity(relpath))   # the root @ the commit the source reads
 
 A branch or tag is pinned once, at open, to its commit: DataLoader workers open the
-:func:`pinned_root`, so every file a run reads comes from that commit. The endpoint
-(:func:`hub_endpoint`) and the token (``HF_TOKEN`` by default) are SPEC §8.4's. A file's signed
-target serves every thread and process of the machine until it expires (:func:`target_expiry`).
+:func:`pinned_root`, so every file a run reads comes from that commit.
 """
 
 from __future__ import annotations
@@ -183,8 +181,7 @@ class HubSource(HTTPSource):
 
     def _send(self, method: str, url: str, headers: dict[str, str],
               where: str) -> tuple[requests.Response, list[requests.Response]]:
-        """Straight to the live target of ``url``'s redirects, while it answers; else one resolve
-        at a time, whose target every thread and process then reads (SPEC §8.4)."""
+        """To ``url``'s live redirect target, else through one resolve at a time (SPEC §8.4)."""
         if "/resolve/" not in url:  # an API call: answered, not redirected
             return super()._send(method, url, headers, where)
         target = self._live_target(url)

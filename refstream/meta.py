@@ -7,9 +7,6 @@ Use::
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
     meta.episode_rows(source, ids)                # those episodes' whole rows
     column_array(read_parquet(source, relpath)[name], relpath, name)   # any Parquet column
-
-A :class:`DatasetMeta` holds per-episode arrays in episode order (``int64`` counts and indices,
-``float64`` seconds); every path its templates give was checked safe at load time.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ from refstream.source import Source, check_relpath
 from refstream.stats import STATS_PATH, parse_stats
 
 __all__ = ["DatasetMeta", "load_meta", "select_episodes", "read_parquet", "column_array",
-           "index_column", "next_file", "parse_json"]
+           "index_column", "parse_json"]
 
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
@@ -176,7 +173,7 @@ def load_meta(source: Source) -> DatasetMeta:
         # LeRobot's view, under its names
         info=SimpleNamespace(**info), episodes=columns, robot_type=info.get("robot_type"),
         video_keys=cameras, image_keys=[], total_tasks=len(tasks),
-        depth_keys=[key for key, feature in info["features"].items() if _is_depth(feature)],
+        depth_keys=[],  # a depth map is refused (SPEC §4.2)
         has_language_columns=any(key in info["features"] for key in LANGUAGE_COLUMNS))
     _check_episodes(meta)
     _check_paths(meta)
@@ -221,6 +218,10 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
         if feature["dtype"] == "image":
             raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} has dtype 'image' (in "
                                      "Parquet); refstream streams only cameras stored as videos")
+        if feature["dtype"] == "video" and _is_depth(feature):
+            raise UnsupportedDataset(f"{INFO_PATH}: feature {key!r} is a depth map, which LeRobot "
+                                     "decodes as 12-bit gray and dequantizes; refstream decodes "
+                                     "RGB only: read this dataset with LeRobotDataset")
     cameras = [key for key, feature in features.items() if feature["dtype"] == "video"]
     _check_template(info.get("data_path"), "data_path", INDEX_FIELDS)
     if cameras or info.get("video_path") is not None:
@@ -235,8 +236,8 @@ def _is_depth(feature: dict) -> bool:  # whether LeRobot counts it among its dep
                for group in groups)
 
 
+# Python's json reads NaN, Infinity and -Infinity; JSON has no such tokens.
 def _not_json(token: str) -> None:
-    """Python's json reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON has no such tokens."""
     raise ValueError(f"{token} is not a JSON value")
 
 
@@ -310,7 +311,8 @@ def _read_episodes(source: Source, info: dict,
             parts[column].append(index_column(table, column, relpath))
         rows += table.num_rows
         files.append((relpath, table.num_rows))
-        chunk, file = next_file(chunk, file, info["chunks_size"])
+        # LeRobot's rollover (SPEC §4.3)
+        chunk, file = (chunk + 1, 0) if file == info["chunks_size"] - 1 else (chunk, file + 1)
     if rows != total:
         raise MalformedDataset(f"meta/episodes: {rows} episode rows, but {INFO_PATH} "
                                f"total_episodes is {total}")
@@ -318,11 +320,6 @@ def _read_episodes(source: Source, info: dict,
     if None not in tasks:
         columns["tasks"] = [episode for part in tasks for episode in part]
     return columns, files
-
-
-def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
-    """The (chunk, file) after ``(chunk, file)``: LeRobot's rollover (SPEC §4.3)."""
-    return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
 
 
 def read_parquet(source: Source, relpath: str, columns: list[str] | None = None,
@@ -346,9 +343,8 @@ def read_parquet(source: Source, relpath: str, columns: list[str] | None = None,
 
 def column_array(column: pa.ChunkedArray, where: str, name: str,
                  error: type[DatasetError] = TableError) -> np.ndarray:
-    """Parquet column ``name`` as a numpy array with one entry per row; fixed-size lists (nested
-    or not) become extra axes, e.g. ``float32[6]`` → ``(rows, 6)``. Nulls, ragged lists and types
-    without a numeric form are ``error`` naming ``where`` and the column."""
+    """Parquet column ``name`` as a numpy array, one entry per row, lists of one length as extra
+    axes (``float32[6]`` → ``(rows, 6)``); else ``error`` naming ``where`` and the column."""
     if column.null_count:
         raise error(f"{where}: column {name!r} has {column.null_count} null(s)")
     array = column.combine_chunks()
@@ -442,8 +438,7 @@ def _read_stats(source: Source) -> dict | None:
 
 def parse_json(data: bytes, relpath: str, allow_nan: bool = False,
                error: type[RefstreamError] = MalformedDataset) -> object:
-    """The JSON value of metadata file ``relpath``: UTF-8 without a byte-order mark, ``NaN`` and
-    ``Infinity`` only with ``allow_nan`` (SPEC §4.2); ``error`` when it is not."""
+    """The JSON value of metadata file ``relpath`` (SPEC §4.2), ``NaN`` only with ``allow_nan``."""
     try:
         return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _not_json)
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)

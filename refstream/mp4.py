@@ -9,12 +9,7 @@ Use::
 :func:`walk_boxes`, :func:`read_box` and :func:`video_edit_list` also serve reports that show a
 file's boxes; :func:`decoder_setup` says which files' decoders are set up alike. Words: an
 *offset* is a byte position (``end``: the file offset where a box or its parent ends; ``limit``:
-a position in the bytes at hand); *composition* is ``pts − dts``, in ticks. ``pts`` and ``dts``
-equal FFmpeg's; a file it would re-time is refused rather than indexed differently. An entry
-count is checked against its box before anything is allocated. Errors name the file, box and
-offset: :class:`~refstream.errors.MalformedMp4` (the file breaks the format),
-:class:`~refstream.errors.UnsupportedMp4` (valid, not accepted),
-:class:`~refstream.errors.ShortRead` (``read_range`` returned fewer bytes than asked).
+a position in the bytes at hand); *composition* is ``pts − dts``, in ticks.
 """
 
 from __future__ import annotations
@@ -60,9 +55,8 @@ class Box:
 
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
-    """Per-sample index of the first video track of one MP4, in decode order. Parsed, the arrays
-    are ``int64`` (``keyframe`` bool); mapped from the video index (``refstream.sidecar``) they
-    are read-only views in a narrower stored dtype: widen before arithmetic that could wrap."""
+    """Per-sample index of one MP4's first video track, in decode order. From the video index
+    (``refstream.sidecar``) the arrays are read-only, narrower views: widen before arithmetic."""
 
     path: str  # for messages only
     file_size: int  # bytes
@@ -109,8 +103,7 @@ class EditList:
 
 
 def read_box(data: bytes, pos: int, limit: int, base: int, end: int, path: str) -> Box:
-    """The box whose header is at ``data[pos:limit]`` (SPEC §6.1); ``base`` is the file offset of
-    ``data[0]`` and ``end`` the file offset where its parent (or the file) ends."""
+    """The box (SPEC §6.1) whose header is at ``data[pos:limit]``, ``data[0]`` at ``base``."""
     where = base + pos
     if limit - pos < 8:
         raise MalformedMp4(f"{path}: truncated box header at offset {where}")
@@ -233,14 +226,12 @@ class _Moov:
         return rows.reshape(count, columns)
 
     def bad(self, box: Box, message: str, error: type[Mp4Error] = MalformedMp4) -> Mp4Error:
-        """``error`` naming the file, the box and its offset."""
         return error(f"{self.path}: box '{box.type}' at offset {box.offset}: {message}")
 
 
 def _video_track(m: _Moov) -> Box:
     for trak in (b for b in m.children(m.box) if b.type == "trak"):
-        mdia = m.child(trak, "mdia")
-        hdlr = m.child(mdia, "hdlr")
+        hdlr = m.child(m.child(trak, "mdia"), "hdlr")
         if m.unpack(hdlr, 8, ">4s", "handler_type")[0] == b"vide":
             return trak
     raise UnsupportedMp4(f"{m.path}: no video track (no 'trak' with a 'vide' handler)")
@@ -293,8 +284,7 @@ def _sizes(m: _Moov, stbl: Box, file_size: int) -> np.ndarray:
     field_size, count = m.unpack(stz2, 7, ">BI", "field_size/sample_count")
     if field_size == 4:
         packed = m.table(stz2, 12, (count + 1) // 2, ">u1", 1, "sample_count")[:, 0]
-        nibbles = np.stack([packed >> 4, packed & 0xF], axis=1).reshape(-1)
-        return nibbles[:count]
+        return np.stack([packed >> 4, packed & 0xF], axis=1).reshape(-1)[:count]  # high: earlier
     if field_size in (8, 16):
         return m.table(stz2, 12, count, f">u{field_size // 8}", 1, "sample_count")[:, 0]
     raise m.bad(stz2, f"field_size {field_size} is not 4, 8 or 16")
@@ -348,9 +338,7 @@ def _keyframes(m: _Moov, stbl: Box, n: int) -> np.ndarray:
     numbers = m.table(stss, 8, count, ">u4", 1, "entry_count")[:, 0]
     if numbers[0] < 1 or numbers[-1] > n or np.any(np.diff(numbers) <= 0):
         raise m.bad(stss, f"sync sample numbers must increase within 1..{n}")
-    keyframe = np.zeros(n, dtype=bool)
-    keyframe[numbers - 1] = True
-    return keyframe
+    return np.isin(np.arange(1, n + 1), numbers)
 
 
 def _edit_list(m: _Moov, trak: Box) -> EditList | None:
@@ -392,8 +380,7 @@ def _rescale(ticks: int, to_scale: int, from_scale: int) -> int:
 def _timestamps(m: _Moov, stbl: Box, edits: EditList | None, n: int, timescale: int,
                 movie_timescale: int, keyframe: np.ndarray):
     """(dts, pts, duration) int64 arrays in the media timescale (SPEC §6.4–6.5)."""
-    stts = m.child(stbl, "stts")
-    counts, deltas = _runs(m, stts, n)
+    counts, deltas = _runs(m, m.child(stbl, "stts"), n)
     duration = np.repeat(deltas, counts)
     decode = np.cumsum(duration) - duration
 

@@ -12,14 +12,7 @@ The order of a rank's stream is a pure function of its setup, so a checkpoint is
     start = course.positions(rank, state.samples)
     planner = course.planner(rank, w, start.epochs[w], byte_sizes)   # then skip(start.offsets[w])
 
-DataLoader worker ``p`` plays logical worker ``(p + start.rotation) mod N`` (SPEC §3.6, Worker
-positions). :func:`delivered_by` replays the earlier topologies (the ``history``); a
-:class:`Course` plans the rest of those epochs, then ordinary ones, over the current topology.
-
-Invariants: ``from_dict(to_dict())`` gives the state back; resuming with the same topology yields
-exactly the batches the uninterrupted run would have yielded next; with another, the rest of each
-epoch in progress holds every frame not delivered before, once; a checkpoint of another seed,
-strategy, pool setting, repeat or selection is refused, never reinterpreted.
+DataLoader worker ``p`` plays logical worker ``(p + start.rotation) mod N`` (SPEC §3.6).
 """
 
 from __future__ import annotations
@@ -72,8 +65,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class ResumeState:
-    """A checkpoint: ``samples`` the rank consumed (whole batches) with ``setup``'s topology,
-    after the ``history`` of earlier topologies, since ``epoch`` began."""
+    """A checkpoint (SPEC §3.6, Resume state; §3.9, History)."""
 
     epoch: int
     samples: int
@@ -82,9 +74,8 @@ class ResumeState:
 
     def to_dict(self) -> dict:
         """The flat JSON-ready dict that :meth:`from_dict` reads back."""
-        history = [list(astuple(segment)) for segment in self.history]
         return {"epoch": self.epoch, "samples": self.samples, **asdict(self.setup),
-                "history": history}
+                "history": [list(astuple(segment)) for segment in self.history]}
 
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
@@ -108,8 +99,7 @@ class ResumeState:
         return cls(state["epoch"], state["samples"], setup, _history(state.get("history", [])))
 
     def resume_with(self, current: ResumeSetup) -> ResumeState:
-        """The state to resume from with ``current`` (SPEC §3.9, History); TopologyChanged names
-        every other field that differs as ``name old -> new``."""
+        """The state to resume from with ``current`` (SPEC §3.9, History), else TopologyChanged."""
         old, new = asdict(self.setup), asdict(current)
         changes = [f"{name} {old[name]!r} -> {new[name]!r}" for name in old
                    if name not in TOPOLOGY and old[name] != new[name]]
@@ -203,8 +193,7 @@ def _endless_positions(plans: list, batch_size: int, epoch: int, batches: int) -
 
 
 def _finite_positions(plans: list, batch_size: int, epoch: int, batches: int) -> ResumePositions:
-    """Without repeat, the rank passes whole epochs of batches; its workers take turns in the
-    epoch reached, each stopping where its turns in that epoch end."""
+    """Without repeat, the rank passes whole epochs of batches (SPEC §3.9, Positions)."""
     limits = [[ceil_div(f, batch_size) for f in lengths] for lengths, _ in plans]
     per_epoch = [sum(limits[i]) if rest is None else rest for i, (_, rest) in enumerate(plans)]
     passed, batches = _walk(batches, per_epoch[:-1], per_epoch[-1])
@@ -253,10 +242,8 @@ class _Epoch:
 
 
 class Course:
-    """Every rank's and worker's plans of the selected ``episodes`` (``frames`` each) under
-    ``setup``: the rest of the epochs in progress, then ordinary epochs (SPEC §3.9, Plans;
-    ShardingError for an empty ordinary share). ``limits`` are one worker's (SPEC §2.3), with
-    ``decoder_cache`` and ``cameras``, which do not change the order."""
+    """Every rank's and worker's plans under ``setup`` (SPEC §3.9, Plans). ``decoder_cache`` and
+    ``cameras`` complete one worker's ``limits`` (SPEC §2.3); they do not change the order."""
 
     def __init__(self, setup: ResumeSetup, episodes: Sequence[int], frames: Sequence[int],
                  delivered: Delivered, *, decoder_cache: int | None = None,
@@ -311,8 +298,7 @@ class Course:
 
     def planner(self, rank: int, worker: int, epoch: int,
                 byte_sizes: Mapping[int, int] | None) -> Planner:
-        """The plan of logical worker ``worker`` of ``rank`` in ``epoch``; ``byte_sizes`` of its
-        episodes apply the budget (None: no budget)."""
+        """The plan of ``worker`` of ``rank`` in ``epoch`` (``byte_sizes`` None: no budget)."""
         plan = self._epoch(epoch)
         share = plan.shares[rank][worker]
         at = [self._index[e] for e in share]
@@ -324,8 +310,7 @@ class Course:
             byte_budget=budget, delivered=plan.delivered[at].tolist())
 
     def after(self, samples: int, byte_sizes: Mapping[int, int] | None) -> Delivered:
-        """What has been delivered once every rank consumed ``samples`` with this topology;
-        under a byte budget the replay needs every episode's ``byte_sizes``."""
+        """What has been delivered once every rank consumed ``samples`` with this topology."""
         starts = [self.positions(rank, samples) for rank in range(self.setup.world_size)]
         first = min(min(start.epochs) for start in starts)
         last = max([*(max(start.epochs) for start in starts),
@@ -370,8 +355,7 @@ class WorkerPlan:
 
 def delivered_by(state: ResumeState, episodes: Sequence[int], frames: Sequence[int],
                  byte_sizes: Mapping[int, int] | None = None) -> Delivered:
-    """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (SPEC
-    §3.9); under a byte budget ``byte_sizes`` (of every episode) are needed, else UsageError."""
+    """What the segments of ``state.history`` delivered in turn from ``state.epoch`` on (§3.9)."""
     if state.setup.byte_budget is not None and byte_sizes is None:
         raise UsageError("replaying workers under a byte budget needs every episode's byte sizes")
     delivered = Delivered(state.epoch)

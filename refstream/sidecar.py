@@ -6,9 +6,8 @@ Use::
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
-:class:`MappedIndex`'s arrays are read-only views in their stored dtypes: widen a slice before
-arithmetic that could wrap (``pts − dts``). The ``refstream.sidecar`` logger says at INFO where
-the index came from, and a build's progress when ``ensure_index`` is given no ``progress``.
+The ``refstream.sidecar`` logger says at INFO where the index came from, and a build's progress
+when ``ensure_index`` is given no ``progress``.
 """
 
 from __future__ import annotations
@@ -225,8 +224,7 @@ def _record_meta(text: bytes, size: int, identity: str) -> dict:
 
 def _stored_arrays(array: np.ndarray, count: int, names: tuple[str, ...],
                    constants: dict) -> dict[str, np.ndarray]:
-    """The record's stored arrays, read-only views, each of ``count`` samples in a storage
-    dtype; the fields not stored are exactly ``constants`` (SPEC §10.2)."""
+    """The record's stored arrays as read-only views; ValueError unless SPEC §10.3 allows them."""
     if list(names) != [name for name in ARRAY_FIELDS if name not in constants] \
             or not set(constants) <= set(ARRAY_FIELDS):
         raise ValueError(f"stored arrays {names} and constants {sorted(constants)}")
@@ -323,7 +321,6 @@ def _missing(records: dict[str, Record]) -> dict[str, Record]:
 
 
 def _install_record(relpath: str, record: Record, write: Callable[[BinaryIO], object]) -> None:
-    """:func:`install` for a record: verified before it replaces any (SPEC §10.6)."""
     install(Path(record.path), write,
             lambda path: read_record(path, record.size, record.identity, relpath, verify=True))
 

@@ -95,8 +95,7 @@ def check_tail(where: str, length: int) -> None:
         raise UsageError(f"{where}: a tail read needs a positive length, got {length}")
 
 
-def byte_range(offset: int, length: int) -> str:
-    """How messages name a range: ``bytes a-b``, inclusive, as in HTTP."""
+def byte_range(offset: int, length: int) -> str:  # as messages name a range (SPEC §8.1)
     return f"bytes {offset}-{offset + length - 1}"
 
 
@@ -202,11 +201,9 @@ class RangeFile(io.RawIOBase):
     def _read_at_position(self, limit: int) -> bytes:
         length = max(0, min(limit, self._size - self._position))
         at = self._position - (self._size - len(self._tail))  # in the tail when not negative
-        if length == 0:
-            data = b""
-        elif at >= 0:
-            data = self._tail[at : at + length]
-        else:
+        if at < 0 and length:
             data = self.source.read_range(self.relpath, self._position, length)
+        else:  # in the tail, or nothing to read
+            data = self._tail[at : at + length]
         self._position += length
         return data

@@ -6,9 +6,8 @@ Use::
     selection_stats(source, meta, [3, 7])     # the statistics of those episodes alone
     aggregate_stats(episode_stats(table))     # combined from an episodes table's own columns
 
-A statistics dict maps each feature to ``{stat: array}``, float64 (``count`` int64), loaded and
-combined (a selection's from its episodes' own) by SPEC §4.7. The module reads no file:
-:mod:`refstream.meta` reads the bytes and the rows (``meta.episode_rows``) it is given.
+The module reads no file: :mod:`refstream.meta` reads the bytes and the rows
+(``meta.episode_rows``) it is given.
 """
 
 from __future__ import annotations
@@ -87,11 +86,9 @@ def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> d
     weights = counts.reshape(counts.shape + (1,) * (means.ndim - counts.ndim))
     mean = (means * weights).sum(axis=0) / total
     variance = ((stacked["std"] ** 2 + (means - mean) ** 2) * weights).sum(axis=0) / total
-    combined = {"min": stacked["min"].min(axis=0), "max": stacked["max"].max(axis=0),
-                "mean": mean, "std": np.sqrt(variance), "count": total}
-    for name in quantiles:
-        combined[name] = (stacked[name] * weights).sum(axis=0) / total
-    return combined
+    return {"min": stacked["min"].min(axis=0), "max": stacked["max"].max(axis=0),
+            "mean": mean, "std": np.sqrt(variance), "count": total,
+            **{name: (stacked[name] * weights).sum(axis=0) / total for name in quantiles}}
 
 
 def _stat_array(value: object, where: str, name: str) -> np.ndarray:

@@ -1,8 +1,6 @@
 """``StreamingDataset``: LeRobot v3 samples streamed episode by episode into a torch DataLoader
-(SPEC §9).
-
-Use (ready batches, the fastest path: each frame is decoded once, straight into the shared
-memory the training process receives)::
+(SPEC §9). Use (ready batches, the fastest path: each frame is decoded once, straight into the
+shared memory the training process receives)::
 
     dataset = StreamingDataset("hf://datasets/OWNER/NAME", delta_timestamps={...}, seed=0,
                                batch_size=B, batched=True)
@@ -10,21 +8,15 @@ memory the training process receives)::
     for epoch in range(epochs):
         dataset.set_epoch(epoch)
         for batch in loader: ...
+    state = dataset.state_dict(samples=steps * B, batch_size=B, num_workers=N)  # a checkpoint
+    dataset.load_state_dict(state)  # before iter(loader): continue from it (SPEC §9.4, §3.9)
 
-Without ``set_epoch``, each new iterator (``cycle(loader)``) plays the next epoch (SPEC §9.4).
-Without ``batched``, ``DataLoader(dataset, batch_size=B)`` collates the same batches. A sample
-equals LeRobot's map-style item for its frame (SPEC §9.1); a worker yields its share in the
-order of SPEC §9.2 (``refstream.worker``). Resume (SPEC §9.4, §3.9): ``state_dict(samples=steps *
-B, batch_size=B, num_workers=N)`` is a checkpoint, and ``load_state_dict`` before
-``iter(loader)`` continues from it, also with another world size, worker count or batch size.
-Distributed runs: SPEC §9.5. ``__init__`` (the main process) reads the metadata and makes sure
-the sidecar index exists; the position lives in shared memory, so persistent workers see it.
+The position lives in shared memory, so persistent workers see it.
 
-Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, so that a
-DataLoader batching ready batches raises UsageError instead of stacking them into wrong ones.
-torch documents that map as the way to extend ``default_collate`` but exports it only from the
-private ``torch.utils.data._utils.collate``: if torch moves it, this import fails; if torch stops
-reading it, ``tests/test_batches.py::test_a_dataloader_batching_ready_batches_is_refused`` fails.
+Importing this module adds :class:`Batch` to torch's ``default_collate_fn_map``, the documented
+way to extend ``default_collate``, so a DataLoader batching ready batches raises UsageError. The
+map lives in the private ``torch.utils.data._utils.collate``: if torch moves it, this import
+fails; if torch stops reading it, ``test_a_dataloader_batching_ready_batches_is_refused`` fails.
 """
 
 
@@ -75,16 +67,13 @@ default_collate_fn_map[Batch] = _refuse_batches  # see the module docstring
 
 
 class StreamingDataset(IterableDataset):
-    """A LeRobot v3 dataset streamed episode by episode (see the module docstring).
-
-    ``root``: a folder, an ``http(s)://`` base URL or ``hf://datasets/OWNER/NAME[@REV]``.
-    ``episode_pool_size`` and ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
-    ``video_decoder_cache_size`` per rank, split over its workers (SPEC §2.3). ``batch_size`` (the
-    DataLoader's, or with ``batched`` the dataset's own batches) is needed for the distributed end
-    of a finite epoch and for checkpoints. ``decode_threads`` decode each group of
-    ``decoded_queue_size`` samples (of ``batch_size`` when batched). ``sidecar_lock_timeout_s``:
-    the wait for another process building the video index (SPEC §10.6).
-    """
+    """A LeRobot v3 dataset streamed episode by episode. ``root``: a folder, an ``http(s)://``
+    base URL or ``hf://datasets/OWNER/NAME[@REV]``. ``episode_pool_size`` and
+    ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
+    ``video_decoder_cache_size`` per rank (SPEC §2.3). ``batch_size``: the DataLoader's, or with
+    ``batched`` the dataset's own (SPEC §9.4, §9.5). ``decode_threads`` decode each group of
+    ``decoded_queue_size`` samples (``batch_size`` when batched). ``sidecar_lock_timeout_s``: the
+    wait for another process building the video index (SPEC §10.6)."""
 
     def __init__(self, root: str | os.PathLike, *, episodes: Sequence[int] | None = None,
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None,
@@ -99,9 +88,16 @@ class StreamingDataset(IterableDataset):
                  sidecar_lock_timeout_s: float | None = None) -> None:
         super().__init__()
         # 1. The arguments, checked and kept.
-        _check_settings(sampling_strategy, byte_budget_gb, batch_size, batched,
-                        prefetch_episodes=prefetch_episodes, num_workers=num_workers,
-                        decode_threads=decode_threads, decoded_queue_size=decoded_queue_size)
+        if sampling_strategy not in STRATEGIES:
+            raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, "
+                             f"got {sampling_strategy!r}")
+        if not byte_budget_gb > 0:
+            raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
+        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        errors.check_at_least(1, decode_threads=decode_threads,
+                              decoded_queue_size=decoded_queue_size, batch_size=batch_size)
+        if batched and not batch_size:
+            raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
         self.root = str(root)
         self.tolerance_s = check_tolerance(tolerance_s)
         self.seed = resolve_seed(seed)
@@ -156,9 +152,8 @@ class StreamingDataset(IterableDataset):
             _warn_idle(num_workers, self._most_workers)
 
     def __len__(self) -> int:
-        """What an epoch of this rank yields (SPEC §9.5): batches with ``batched``; else samples
-        or, with ``batch_size`` and no ``repeat``, batches × ``batch_size``, so the DataLoader's
-        ``len`` is its batch count. Batch counts need ``num_workers`` (IterableOnly)."""
+        """What an epoch of this rank yields: batches with ``batched``, else samples, or batches ×
+        ``batch_size`` with ``batch_size`` and no ``repeat``; batches need ``num_workers``."""
         if not self.batched and (self.repeat or not self.batch_size):
             return self.rank_frames
         if self.num_workers is None:
@@ -178,16 +173,14 @@ class StreamingDataset(IterableDataset):
                            "iterate it (a DataLoader, or iter(dataset)) instead")
 
     def selection_stats(self) -> dict:
-        """The selected episodes' own statistics, combined as LeRobot combines them (SPEC
-        §4.7); ``meta.stats`` are the whole dataset's, as LeRobot's."""
+        """The selected episodes' own statistics, combined as LeRobot combines them (SPEC §4.7)."""
         with contextlib.closing(open_source(self.config.root)) as source:
             return selection_stats(source, self.meta, self.episodes)
 
     # --- position: epochs and resume ----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iterator at the beginning of ``epoch``; a checkpoint loaded for
-        ``epoch`` that no iterator has started yet is kept (SPEC §9.4)."""
+        """Start the next iterator at the beginning of ``epoch`` (SPEC §9.4)."""
         errors.check_int(epoch, "epoch", 0)
         if epoch == self._resumes_into and not int(self._position[_PASS]):
             return
@@ -200,9 +193,7 @@ class StreamingDataset(IterableDataset):
                                            _digest(self._history), 0]))
 
     def state_dict(self, samples: int, *, batch_size: int, num_workers: int) -> dict:
-        """A checkpoint after the rank consumed ``samples`` (= batches × ``batch_size``) since
-        the position was last set (construction, ``set_epoch``, ``load_state_dict``), with a
-        DataLoader of ``num_workers`` workers (SPEC §9.4)."""
+        """A checkpoint after the rank consumed ``samples`` since the position was set (§9.4)."""
         epoch = int(self._position[_EPOCH])
         course, base = self._start(batch_size, max(1, num_workers))
         start = course.positions(self.rank, base)
@@ -222,8 +213,7 @@ class StreamingDataset(IterableDataset):
         return resume.ResumeState(epoch, base + samples, course.setup, self._history).to_dict()
 
     def load_state_dict(self, state: Mapping, *, num_workers: int | None = None) -> None:
-        """Start every following iterator where ``state`` left off, with ``num_workers``
-        DataLoader workers (default: the checkpoint's), as SPEC §9.4 says."""
+        """Start every following iterator where ``state`` left off (SPEC §9.4)."""
         if self.batch_size is None:
             raise UsageError("load_state_dict needs the batch size to place every worker: "
                              "build the dataset with batch_size=B")
@@ -294,9 +284,7 @@ class StreamingDataset(IterableDataset):
                              "the same count")
 
     def _worker_plan(self, worker: int, num_workers: int, later: int) -> resume.WorkerPlan | None:
-        """What DataLoader worker ``worker`` plays, None if it is idle: from the position, or,
-        ``later`` iterators after the one that started there, the next epoch from its beginning
-        (SPEC §9.4)."""
+        """What DataLoader worker ``worker`` plays, None if it is idle (``later``: SPEC §9.4)."""
         course, samples = self._start(self.batch_size or 1, num_workers)
         if later and not self.repeat:
             epoch = min(course.positions(self.rank, samples).epochs) + later
@@ -319,10 +307,11 @@ class StreamingDataset(IterableDataset):
             f"byte_budget_gb to at least {need * workers / GIB:.4g} or use fewer workers"))
 
     def _enter(self, info) -> int:
-        """How many iterators started before this one since the position was set. Every worker
-        of one DataLoader iterator computes the same key (from the iterator's base seed and, for
-        persistent workers, their own iterator count); the first to arrive counts the iterator."""
+        """How many iterators started before this one since the position was set."""
         self._iterators += 1
+        # Every worker of one DataLoader iterator computes the same key (from the iterator's base
+        # seed and, for persistent workers, their own iterator count); the first to arrive counts
+        # the iterator.
         base = os.getpid() if info is None else info.seed - info.id
         key = hash((base, self._iterators)) % (1 << 30) + 1  # never 0, the word's initial key
         word = int(self._position[_PASS])
@@ -349,20 +338,6 @@ def _warn_idle(num_workers: int, playing: int) -> None:
                   "gives the same batches)", stacklevel=3)
 
 
-def _check_settings(strategy: str, byte_budget_gb: float, batch_size: int | None, batched: bool,
-                    **counts: int | None) -> None:
-    if strategy not in STRATEGIES:
-        raise UsageError(f"sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not byte_budget_gb > 0:
-        raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-    errors.check_at_least(0, prefetch_episodes=counts["prefetch_episodes"],
-                          num_workers=counts["num_workers"])
-    errors.check_at_least(1, decode_threads=counts["decode_threads"],
-                          decoded_queue_size=counts["decoded_queue_size"], batch_size=batch_size)
-    if batched and not batch_size:
-        raise UsageError("batched=True yields batches of batch_size: give batch_size=B")
-
-
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Arguments, else as SPEC §9.5 says; UsageError unless the rank is in the world."""
     if rank is None or world_size is None:
@@ -377,8 +352,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def _video_index(source, meta: DatasetMeta, lock_timeout_s: float) -> VideoIndex | None:
-    """The video index (SPEC §10.6), every video's frame rate checked before any worker starts;
-    None without cameras."""
+    """The video index (SPEC §10.6), every frame rate checked (§9.2); None without cameras."""
     if not meta.camera_keys:
         return None
     index = ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s)

@@ -55,8 +55,7 @@ class Footers:
 
 
 def candidate_row_groups(stats: Sequence[tuple[int, int] | None], episode: int) -> list[int]:
-    """Indices of the row groups that may hold ``episode``: ``stats[i]`` is ``(min, max)`` of
-    group ``i``'s ``episode_index``, or None (no usable statistics: always a candidate)."""
+    """Row groups to read (SPEC §8.5 step 2); ``stats[i]``: group i's (min, max) episode or None."""
     return [i for i, s in enumerate(stats) if s is None or s[0] <= episode <= s[1]]
 
 

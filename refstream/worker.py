@@ -4,19 +4,12 @@
     with contextlib.closing(WorkerStream(config, share, limits)) as worker:  # plans spans
         yield from worker.stream(runs, in_worker=True)
 
-``config`` (a :class:`WorkerConfig`) is all a worker knows of the dataset: made once in the main
-process, it is pickled to the workers. ``runs`` gives ``(planner, offset, stop)`` per epoch.
-Fetch threads fetch each admitted episode: its rows and, per camera, its span made a mini-MP4 and
-the frame serving each row. Samples are made ``config.group`` at a time, their frames decoded by
-the decode threads into the group's tensors. A ready :class:`Batch`'s camera tensors are shared
-memory (:class:`SharedBuffers`): they cross to the training process as handles and are written
-again once that process dropped them.
-
-:class:`SharedBuffers` allocates in shared memory with torch's private
-``UntypedStorage._new_shared``, as torch's own ``default_collate`` does: the public
+``config`` is made once in the main process and pickled to the workers. A ready :class:`Batch`'s
+camera tensors are shared memory: the training process receives them as handles, and the worker
+writes them again once that process dropped them. :class:`SharedBuffers` allocates them with
+torch's private ``UntypedStorage._new_shared``, as ``default_collate`` does: the public
 ``share_memory_()`` copies a new tensor there, about 3.5 times as slow (65 ms more for a 73 MiB
-buffer). If torch renames it, the first ready batch raises AttributeError, which every test of
-ready batches (``tests/test_batches.py``) shows.
+buffer). If torch renames it, every test of ready batches (``tests/test_batches.py``) fails.
 """
 
 from __future__ import annotations
@@ -106,8 +99,7 @@ class _Group:
 
 
 class Batch(dict):
-    """A ready batch: each key's values of the batch's samples, stacked as the DataLoader's
-    default collation stacks them. Pickled in a worker, it carries its small tensors inside and
+    """A ready batch (SPEC §9.2). Pickled in a worker, it carries its small tensors inside and
     handles to its shared camera tensors, whose ``in_use`` flags the receiver clears."""
 
     __slots__ = ("in_use",)
@@ -135,8 +127,7 @@ def _received(values: dict, in_use: dict) -> Batch:
 
 
 class SharedBuffers:
-    """A worker's camera tensors in shared memory, each with an *in-use flag* ``(flags, cell)``
-    (shared too): set while a batch holding it is away, cleared by the process that dropped it."""
+    """A worker's camera tensors in shared memory, each with an in-use flag ``(flags, cell)``."""
 
     def __init__(self) -> None:
         self.flags = torch.zeros(MAX_SHARED_BUFFERS, dtype=torch.uint8).share_memory_()
@@ -181,8 +172,7 @@ class WorkerStream:
                      "task"]
         # Planned first, so a failure leaves nothing to close. Without cameras an episode weighs
         # nothing, and one path reserves, fetches and frees.
-        self.index = MappedIndex(config.video_index)
-        self.spans, self.byte_sizes = plan_spans(config, share, self.index)
+        self.spans, self.byte_sizes = plan_spans(config, share, MappedIndex(config.video_index))
         self.frame_sizes = {camera: (index.height, index.width)  # checked by every decode
                             for camera, (index, _) in self.spans[share[0]].items()}
         self.source = open_source(config.root)
@@ -206,8 +196,7 @@ class WorkerStream:
 
     def stream(self, runs: Iterator[tuple[Planner, int, int | None]],
                in_worker: bool) -> Iterator[dict]:
-        """The runs' samples, or (``config.batched``) Batches of ``config.group`` of them
-        (``in_worker``: to be pickled)."""
+        """The runs' samples, or Batches of ``config.group`` (``in_worker``: to be pickled)."""
         group, batched = self.config.group, self.config.batched
         shared = batched and self.config.image_transforms is None
         made = self._group(group, shared)
@@ -237,9 +226,8 @@ class WorkerStream:
         return _Group(frames, in_use)
 
     def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
-        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST
-        where the anchors given so far must be decoded first: while an admission waits for the
-        room they free, and at the run's end (the next run admits the same episodes again)."""
+        """The run's anchors in order, each after its episode's admission, and DECODE_FIRST while
+        an admission waits for the room the anchors given so far free, and at the run's end."""
         planner.skip(offset)
         planner.drain_events()
         anchors = planner.remaining if stop is None else max(0, stop - offset)
@@ -256,13 +244,11 @@ class WorkerStream:
             self.in_flight[episode] = self.in_flight.get(episode, 0) + 1
             self._start_fetch(episode, planner, (frame,))  # in the order anchors need them
             yield episode, frame
-        yield DECODE_FIRST
+        yield DECODE_FIRST  # the next run admits the same episodes again
 
     def _decode(self, made: _Group, planner: Planner) -> None:
-        """Gather and decode the group's new anchors (each decode thread the requests of its own
-        decoders, those gathered while a payload is awaited), then free the episodes they finish,
-        then fetch the other residents and prefetch. The decoders may keep decoded frames that
-        later anchors request, in the bytes the budget has not reserved (SPEC §9.3)."""
+        """Decode the group's new anchors; free the episodes they finish; fetch and prefetch."""
+        # Decoders keep frames for later anchors in the bytes not reserved (SPEC §9.3).
         room = max(0, self.budget.budget_bytes - self.budget.reserved_bytes)
         for decoders in self.decoders:
             decoders.fit(room // len(self.decoders))
@@ -357,12 +343,9 @@ class WorkerStream:
         return True
 
     def _prefetch(self, planner: Planner) -> None:
-        """Reserve and fetch the planner's frontier episodes while they fit without evicting
-        anything (SPEC §9.3)."""
+        """Reserve and fetch frontier episodes while they fit without evicting (SPEC §9.3)."""
         frontier = planner.frontier(self.config.prefetch_episodes)
-        for episode in frontier:
-            if episode in self.payloads:
-                continue
+        for episode in frontier:  # one reserved already is fetched already: it passes
             if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the frontier's order, retry after the next release
             self._start_fetch(episode, planner)
@@ -371,8 +354,7 @@ class WorkerStream:
         self.budget.touch(reversed(frontier))
 
     def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
-        """Fetch ``episode`` unless it is fetched or fetching (a reservation is fetched once),
-        for its anchors ``drawn`` and to come."""
+        """Fetch ``episode`` for its anchors ``drawn`` and to come, once per reservation."""
         if self.budget.claim_fetch(episode):
             anchors = np.array([*drawn, *planner.frames_to_come(episode)], dtype=np.int64)
             self.payloads[episode] = self.fetch_pool.submit(self._fetch, episode, anchors)
@@ -386,8 +368,7 @@ class WorkerStream:
 
     def _fetch(self, episode: int, anchors: np.ndarray
                ) -> tuple[dict[str, np.ndarray], dict[str, _Video]]:
-        """An episode's rows (Parquet column -> one value per frame) and videos (by camera) for
-        its ``anchors`` still to come."""
+        """An episode's rows (column -> a value per frame) and videos for ``anchors`` to come."""
         try:
             relpath = self.meta.data_relpath(episode)
             table = read_episode_rows(
@@ -434,8 +415,7 @@ class WorkerStream:
 
 
 def hf_to_torch(values: np.ndarray) -> torch.Tensor | object:
-    """What LeRobot's ``hf_transform_to_torch`` makes of row values: ``torch.tensor`` of the
-    Python values (floats ``float32``, integers ``int64``, booleans ``bool``); strings stay."""
+    """What LeRobot's ``hf_transform_to_torch`` makes of row values (SPEC §9.1, ``V``)."""
     array = np.asarray(values)
     dtype = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}.get(array.dtype.kind)
     return array.tolist() if dtype is None else torch.from_numpy(array.astype(dtype))

@@ -325,6 +325,18 @@ def meta_cases() -> dict[str, tuple[str, dict, dict | None]]:
             with_info(base, storage_format="lance"),
             "UnsupportedDataset",
         ),
+        "unsupported-depth-feature": (
+            "A video feature LeRobot reads as a depth map (info.is_depth_map): UnsupportedDataset",
+            with_info(
+                base,
+                features={
+                    **base["files"]["meta/info.json"]["json"]["features"],
+                    "observation.images.depth": {"dtype": "video", "shape": [8, 8, 1],
+                                                 "info": {"video.is_depth_map": True}},
+                },
+            ),
+            "UnsupportedDataset",
+        ),
         "unsupported-image-feature": (
             "A feature of dtype image (images inside Parquet): UnsupportedDataset",
             with_info(

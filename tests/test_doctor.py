@@ -749,6 +749,12 @@ def test_published_sidecar_is_checked(dataset):
     assert all(p.startswith(sidecar.PUBLISHED_RELPATH) and "width" in p for p in check.problems)
 
 
+def test_an_unreadable_published_sidecar_is_a_note(dataset):
+    (dataset / sidecar.PUBLISHED_RELPATH).write_bytes(b"PK\x03\x04 not really a ZIP archive")
+    check = doctor(dataset)["sidecar"]
+    assert check.ok and f"{sidecar.PUBLISHED_RELPATH} is not readable" in check.detail
+
+
 # --- the command -----------------------------------------------------------------------------
 
 

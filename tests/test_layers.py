@@ -10,6 +10,7 @@ with their reason, and printed), and the pure core loads with every I/O library 
 """
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "refstream"
+TESTS = Path(__file__).resolve().parent
 
 LAYERS = {
     "errors": 0,
@@ -217,3 +219,62 @@ def test_the_pure_core_loads_without_io_libraries():
 def test_a_core_module_importing_an_io_library_is_caught():
     done = load_without_io(["meta"])  # meta reads Parquet: it is no part of the pure core
     assert done.returncode != 0 and "pyarrow is refused" in done.stderr
+
+
+def module_attributes(path: Path) -> list[tuple[str, str, int]]:
+    """``(module, name, line)`` of every ``alias.name`` in ``path`` where ``alias`` is a
+    refstream module it imports (``from refstream import x``, ``import refstream.x as y``)."""
+    tree = ast.parse(path.read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name.startswith("refstream.") and is_module(name.split(".", 1)[1]
+                                                                .replace(".", "/")):
+                    aliases[alias.asname or alias.name] = name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("refstream.") and alias.asname:
+                    aliases[alias.asname] = alias.name
+    return [(aliases[node.value.id], node.attr, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in aliases]
+
+
+def defined_names(module: str) -> set[str]:
+    """The names ``module`` defines: imported, or read from its source when it needs an optional
+    dependency this environment lacks (LeRobot for the trainer command)."""
+    try:
+        return set(dir(importlib.import_module(module)))
+    except ModuleNotFoundError as exc:
+        if exc.name.split(".")[0] == "refstream":
+            raise
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                         and isinstance(n.ctx, ast.Store))
+    return names
+
+
+def test_every_name_read_from_a_module_exists():
+    """A renamed name leaves no caller behind in the package or the tests (a name read in an
+    ``except`` clause fails only when that exception is raised)."""
+    missing = [f"{path.relative_to(PACKAGE.parent)}:{line} {module}.{name}"
+               for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(TESTS.glob("*.py"))]
+               for module, name, line in module_attributes(path)
+               if name not in defined_names(module)]
+    assert missing == []
+
+
+def test_a_missing_module_name_is_caught(tmp_path):
+    path = tmp_path / "caller.py"
+    path.write_text("from refstream import sidecar\n\ntry:\n    pass\n"
+                    "except sidecar.NO_SUCH_NAME:\n    pass\n")
+    assert module_attributes(path) == [("refstream.sidecar", "NO_SUCH_NAME", 5)]

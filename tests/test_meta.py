@@ -427,6 +427,7 @@ ERROR_REASONS = {
     "selection-unknown": "not in the dataset: [3]",
     "unsafe-absolute-video-path": "'/videos/observation.images.front/0/0.mp4'",
     "unsafe-data-path-escapes-root": "'../0/0.parquet'",
+    "unsupported-depth-feature": "'observation.images.depth' is a depth map",
     "unsupported-image-feature": "'observation.images.top' has dtype 'image'",
     "unsupported-lance": "storage_format 'lance'",
     "unsupported-v2.1": "v2.1 dataset",

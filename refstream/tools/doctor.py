@@ -497,7 +497,7 @@ def _check_sidecar(source: Source, relpaths: list[str], cache_root: str | Path |
             found.add(relpath)
             if relpath in indexes:
                 _compare_record(f"{label}: {relpath}", stored, indexes[relpath], problems)
-    except (errors.RefstreamError, *sidecar.UNREADABLE) as exc:
+    except (errors.RefstreamError, *sidecar.CORRUPT_ZIP) as exc:
         notes.append(f"{sidecar.PUBLISHED_RELPATH} is not readable, so training ignores it "
                      f"({type(exc).__name__}: {exc})")
     notes.append(f"{len(found)} of {len(identities)} video files have a valid index record, "
@@ -517,9 +517,8 @@ def _sidecar_records(source: Source, identities: dict[str, tuple[int, str]],
     for relpath, name in stable.items():
         if (folder / name).exists():
             yield f"cache {folder / name}", relpath, folder / name
-    try:
-        size = source.size(sidecar.PUBLISHED_RELPATH)
-    except errors.MalformedDataset:  # how every source reports a missing file
+    size = source.size_if_present(sidecar.PUBLISHED_RELPATH)
+    if size is None:
         return
     with zipfile.ZipFile(RangeFile(source, sidecar.PUBLISHED_RELPATH, size)) as archive:
         members = set(archive.namelist())
