@@ -20,14 +20,15 @@ from itertools import accumulate, islice
 
 import numpy as np
 
+from refstream import rng
 from refstream.budget import check_episode_size, fits
 from refstream.errors import UsageError, check_at_least
-from refstream.rng import below_unchecked, derive_key, extend_key, permutation, resolve_seed
 from refstream.shard import check_episodes
 
 __all__ = ["STRATEGIES", "Planner"]
 
 STRATEGIES = ("pool", "round_robin")
+SKIP_BLOCK = 1 << 16  # pool draws skip makes at once
 
 
 class Planner:
@@ -37,7 +38,7 @@ class Planner:
                  epoch: int, rank: int, worker: int, strategy: str = "pool", pool_size: int,
                  byte_sizes: Sequence[int] | None = None, byte_budget: int | None = None,
                  delivered: Sequence[int] | None = None) -> None:
-        seed = resolve_seed(seed)
+        seed = rng.resolve_seed(seed)
         episodes = check_episodes(episodes, frame_counts=frames, delivered_counts=delivered,
                                   byte_sizes=byte_sizes)
         check_at_least(0, epoch=epoch, rank=rank, worker=worker)
@@ -53,14 +54,14 @@ class Planner:
         self._used = 0  # bytes of the residents
         self._pool_size = pool_size
         self._strategy = strategy
-        admission = permutation(derive_key(seed, epoch, "admit"), list(self._frames))
+        admission = rng.permutation(rng.derive_key(seed, epoch, "admit"), list(self._frames))
         self._pending: deque[int] = deque(admission.tolist())
         self._left: dict[int, int] = {}  # resident -> frames not yet emitted, admission order
         self._orders: dict[int, list[int]] = {}  # resident -> its frame permutation (lazy)
         self._emitted = 0  # anchors emitted so far = the next draw number
-        self._frames_key = derive_key(seed, epoch, "frames")
-        self._draw_key = derive_key(seed, epoch, "draw", rank, worker)
-        self._round_key = derive_key(seed, epoch, "round", rank, worker)
+        self._frames_key = rng.derive_key(seed, epoch, "frames")
+        self._draw_key = rng.derive_key(seed, epoch, "draw", rank, worker)
+        self._round_key = rng.derive_key(seed, epoch, "round", rank, worker)
         self._round: deque[int] = deque()  # the rest of the current round, round_robin
         self._rounds_started = 0
         self._admitted_events: list[int] = []
@@ -117,28 +118,44 @@ class Planner:
 
     def _order(self, episode: int) -> list[int]:
         """The keyed order of all of ``episode``'s frames (SPEC §3.3), kept until it drains."""
-        key = extend_key(self._frames_key, episode)
-        self._orders[episode] = permutation(key, np.arange(self._frames[episode])).tolist()
+        key = rng.extend_key(self._frames_key, episode)
+        self._orders[episode] = rng.permutation(key, np.arange(self._frames[episode])).tolist()
         return self._orders[episode]
 
     def skip(self, n: int) -> None:
         """Pass the next ``n`` anchors without computing their frames (SPEC §3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
-        for _ in range(n):
-            self._take(self._choose())
+        if self._strategy != "pool":
+            for _ in range(n):
+                self._take(self._choose())
+            return
+        # Pool draws in blocks, their words made at once and the residents' frames left kept in
+        # a list, written back to the dictionary before an episode drains: many times faster.
+        end = self._emitted + n
+        for first in range(self._emitted, end, SKIP_BLOCK):
+            words = rng.u64_array(self._draw_key, np.arange(first, min(end, first + SKIP_BLOCK)))
+            residents, left = list(self._left), list(self._left.values())
+            for draw, word in enumerate(words.tolist(), first):
+                chosen = _drawn(left, word)
+                if left[chosen] > 1:
+                    left[chosen] -= 1
+                    continue
+                self._left.update(zip(residents, left, strict=True))
+                self._emitted = draw
+                self._take(residents[chosen])  # its last anchor: others come in
+                residents, left = list(self._left), list(self._left.values())
+            self._left.update(zip(residents, left, strict=True))
+            self._emitted = first + len(words)
 
     def _choose(self) -> int:
         """The episode the next anchor comes from (SPEC §3.3)."""
         if self._strategy == "pool":
-            # Draw t below the residents' frames left, R; each resident owns a run of that many
-            # numbers below R, in admission order, and the one whose run holds t is chosen.
-            ends = list(accumulate(self._left.values()))  # the runs' ends; ends[-1] is R
-            t = below_unchecked(ends[-1], self._draw_key, self._emitted)
-            return list(self._left)[bisect_right(ends, t)]
+            word = rng.u64(self._draw_key, self._emitted)
+            return list(self._left)[_drawn(list(self._left.values()), word)]
         if not self._round:
-            key = extend_key(self._round_key, self._rounds_started)
-            self._round = deque(permutation(key, list(self._left)).tolist())
+            key = rng.extend_key(self._round_key, self._rounds_started)
+            self._round = deque(rng.permutation(key, list(self._left)).tolist())
             self._rounds_started += 1
         return self._round.popleft()
 
@@ -164,6 +181,13 @@ class Planner:
             self._used += self._sizes[episode]
             self._left[episode] = self._rest[episode]
             self._admitted_events.append(episode)
+
+
+def _drawn(left: list[int], word: int) -> int:
+    """The resident a pool draw chooses, by position in admission order (SPEC §3.3): the draw is
+    t below R, the residents' frames ``left`` summed; each owns a run of its count below R."""
+    ends = list(accumulate(left))  # the runs' ends; ends[-1] is R
+    return bisect_right(ends, rng.below_word(word, ends[-1]))
 
 
 def _rest(episodes, frames, delivered) -> list[int]:

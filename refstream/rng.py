@@ -16,7 +16,7 @@ import numpy as np
 from refstream.errors import UsageError, check_int
 
 __all__ = ["DEFAULT_SEED", "resolve_seed", "derive_key", "extend_key", "u64", "u64_array", "below",
-           "below_unchecked", "permutation"]
+           "below_word", "permutation"]
 
 MASK64 = (1 << 64) - 1
 # The seed when the user gives none (LeRobot's DEFAULT_STREAMING_SEED).
@@ -70,16 +70,12 @@ def extend_key(key: int, *labels: int | str) -> int:
 
 def u64(key: int, i: int) -> int:
     """Word ``i`` (``0 ≤ i < 2⁶⁴``, else UsageError) of the stream of ``key`` (SPEC §1.3)."""
-    return _word(key, check_int(i, "an RNG index", 0, MASK64))
+    return mix64(key + (check_int(i, "an RNG index", 0, MASK64) + 1) * GOLDEN_GAMMA)
 
 
-def _word(key: int, i: int) -> int:
-    return mix64(key + (i + 1) * GOLDEN_GAMMA)
-
-
-def below_unchecked(n: int, key: int, i: int) -> int:
-    """:func:`below` without its argument checks: the planner's draw, once per anchor."""
-    return (_word(key, i) * n) >> 64
+def below_word(word: int, n: int) -> int:
+    """The number in ``[0, n)`` a word gives (SPEC §1.3): :func:`below` of a word already made."""
+    return (word * n) >> 64
 
 
 def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
@@ -91,7 +87,7 @@ def u64_array(key: int, indices: np.ndarray) -> np.ndarray:
 
 def below(n: int, key: int, i: int) -> int:
     """A number in ``[0, n)`` from word ``i`` of ``key`` (SPEC §1.3)."""
-    return (u64(key, i) * check_int(n, "below(n): n", 1, MASK64 + 1)) >> 64
+    return below_word(u64(key, i), check_int(n, "below(n): n", 1, MASK64 + 1))
 
 
 def permutation(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:

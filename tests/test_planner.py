@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from core_oracle import expected_plan, plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refstream import planner as planner_module
 from refstream.errors import EpisodeTooLarge, ShardingError, UsageError
 from refstream.planner import Planner
 from refstream.shard import rank_share, split_limits, worker_shares
@@ -141,8 +143,10 @@ def test_other_seed_or_epoch_reorders_with_full_coverage(inputs, change):
 
 
 @settings(max_examples=40, deadline=None)
-@given(plan_inputs(max_episodes=6, max_frames=8))
-def test_skip_equals_stepping_at_every_offset(inputs):
+@given(plan_inputs(max_episodes=6, max_frames=8), st.sampled_from([1, 2, 3, 1 << 16]),
+       st.integers(0, 5))
+def test_skip_equals_stepping_at_every_offset(inputs, block, first_skip):
+    """Whatever the block of draws skip makes at once, and split in two skips or not."""
     ids, frames, kwargs = inputs
     full = list(Planner(ids, frames, **kwargs))
     for n in range(len(full) + 1):
@@ -150,7 +154,10 @@ def test_skip_equals_stepping_at_every_offset(inputs):
         for _ in range(n):
             next(stepped)
         skipped = Planner(ids, frames, **kwargs)
-        skipped.skip(n)
+        with mock.patch.object(planner_module, "SKIP_BLOCK", block):
+            skipped.skip(min(n, first_skip))
+            skipped.skip(n - min(n, first_skip))
+        assert skipped.emitted() == stepped.emitted()
         assert skipped.resident == stepped.resident
         assert skipped.drain_events() == stepped.drain_events()
         assert skipped.frontier(3) == stepped.frontier(3)
