@@ -13,6 +13,7 @@ when ``ensure_index`` is given no ``progress``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import struct
 import threading
@@ -62,6 +64,7 @@ DEFAULT_LOCK_TIMEOUT_S = 1800.0  # a cold index of a large remote dataset can ta
 LOCK_POLL_S = 0.05
 PROGRESS_EVERY_S = 2.0  # without a progress callback, a build logs its progress this often
 PUBLISHED_READ_BYTES = 8 << 20  # the published file is read in ranges this large
+FILES_BESIDE_RECORDS = 1024  # open files a process needs beside its mapped index records
 ARRAY_FIELDS = ("dts", "pts", "duration", "size", "offset", "keyframe")
 SCALAR_FIELDS = ("codec", "width", "height", "track_id", "timescale", "movie_timescale")
 # Storage dtypes of integer arrays, narrowest first (SPEC §10.2); flags are stored as |b1.
@@ -179,6 +182,13 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
                 raise ValueError("the record does not match its digest")
             if np.any(index.dts[1:] < index.dts[:-1]):
                 raise ValueError("dts decreases")  # spans are found by searching dts
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the record's fault
+            raise SidecarError(f"{file}: cannot open the index record of {relpath or 'the file'}"
+                               f" ({exc}): a worker keeps each video file's record open; raise "
+                               "the open-file limit (ulimit -n) above the video files") from exc
+        raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
+                             f"({type(exc).__name__}: {exc})") from exc
     except CORRUPT_NPY as exc:
         raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
                              f"({type(exc).__name__}: {exc})") from exc
@@ -286,6 +296,17 @@ class MappedIndex(dict):
     def __init__(self, index: VideoIndex) -> None:
         super().__init__()
         self.index = index
+        # A mapped record keeps a file descriptor: make room for every record, within the hard
+        # limit, beside the process's other files.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = len(index.records) + FILES_BESIDE_RECORDS
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            if raised < wanted:
+                log.warning("the open-file limit (ulimit -n) is %d, and a worker may keep the "
+                            "index records of %d video files open: raise it", hard,
+                            len(index.records))
 
     def __missing__(self, relpath: str) -> SampleIndex:
         record = self.index.records[relpath]

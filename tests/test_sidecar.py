@@ -885,3 +885,38 @@ def test_record_cases_match_the_oracle_and_the_adapter(path):
 
 def test_there_are_record_cases():
     assert len(RECORD_CASES) >= 15
+
+
+MAP_MANY = """
+import resource, sys
+from refstream.errors import SidecarError
+from refstream.sidecar import MappedIndex, Record, VideoIndex
+path, size, identity, soft, hard = sys.argv[1:]
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(soft), int(hard)))
+record = Record(int(size), identity, path)  # 300 video files, standing in with one record file
+mapped = MappedIndex(VideoIndex({f"v{i}.mp4": record for i in range(300)}, "cache", 0))
+try:
+    print(sum(len(mapped[relpath]) for relpath in mapped.index.records))
+except SidecarError as exc:
+    print(type(exc).__name__, exc)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize("soft, hard", [(64, 20000), (100, 100)])
+def test_mapping_more_records_than_the_open_file_limit(root, cache, soft, hard):
+    """Each mapped record holds a descriptor: the soft limit is raised for every record within
+    the hard one; past the hard one, the error names the limit, not a corrupt record."""
+    index = ensure(root, cache)
+    record = index.records[RELPATHS[0]]
+    args = [record.path, str(record.size), record.identity, str(soft), str(hard)]
+    done = subprocess.run([sys.executable, "-c", MAP_MANY, *args], capture_output=True,
+                          text=True, timeout=120, check=True)
+    answer, limit = done.stdout.splitlines()
+    if hard >= 300 + sidecar.FILES_BESIDE_RECORDS:
+        assert answer == str(300 * len(MappedIndex(index)[RELPATHS[0]]))
+        assert int(limit) == 300 + sidecar.FILES_BESIDE_RECORDS
+    else:
+        assert answer.startswith("SidecarError ") and "ulimit -n" in answer
+        assert "Too many open files" in answer and int(limit) == hard
+        assert "the open-file limit (ulimit -n) is 100" in done.stderr
