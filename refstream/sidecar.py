@@ -255,8 +255,10 @@ def _stored_arrays(array: np.ndarray, count: int, names: tuple[str, ...],
 def ensure_index(source: Source, relpaths: Sequence[str], *,
                  cache_root: str | Path | None = None, workers: int = 8,
                  lock_timeout_s: float | None = None,
-                 progress: Callable[[int, int], object] | None = None) -> VideoIndex:
-    """Every video file's record: cached, published or built (module docstring, SPEC §10.5)."""
+                 progress: Callable[[int, int], object] | None = None,
+                 check: Callable[[str, SampleIndex], object] | None = None) -> VideoIndex:
+    """Every video file's record: cached, published or built (module docstring, SPEC §10.5);
+    ``check(relpath, index)`` sees each file's index once, from the read that validates it."""
     started = time.monotonic()
     timeout_s = lock_timeout(lock_timeout_s)
     folder = cache_folder(cache_root)
@@ -271,15 +273,17 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
     volatile = _volatile_records(folder, identities, records)
     _index_files(source, volatile, workers, progress)
     published, missing = 0, {}
-    if _missing(records):
+    if _missing(records, check):
         with _exclusive(folder / ".lock", timeout_s):
             _remove_orphans(folder)
-            missing = _missing(records)  # another process may have installed them meanwhile
+            missing = _missing(records, check)  # another process may have installed them
             if missing:
                 published = _take_published(source, missing)
-                missing = _missing(missing)
+                missing = _missing(missing, check)
             _index_files(source, missing, workers, progress)  # what is still missing is built here
             fsync_directory(folder)
+    for relpath, record in {**missing, **volatile}.items() if check else ():  # built here
+        check(relpath, read_record(record.path, record.size, record.identity, relpath))
     counts = {"cached": len(records) - published - len(missing), "published": published,
               "built": len(missing), "volatile": len(volatile)}
     origin = next((o for o in ("volatile", "built", "published") if counts[o]), "cache")
@@ -293,25 +297,29 @@ class MappedIndex(dict):
     """``relpath -> SampleIndex`` of a :class:`VideoIndex`, each mapped read-only on first use
     (holds only the records mapped so far: iterate ``index.records`` for every relpath)."""
 
-    def __init__(self, index: VideoIndex) -> None:
+    def __init__(self, index: VideoIndex | None) -> None:
         super().__init__()
         self.index = index
-        # A mapped record keeps a file descriptor: make room for every record, within the hard
-        # limit, beside the process's other files.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        wanted = len(index.records) + FILES_BESIDE_RECORDS
-        if soft != resource.RLIM_INFINITY and soft < wanted:
-            raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-            if raised < wanted:
-                log.warning("the open-file limit (ulimit -n) is %d, and a worker may keep the "
-                            "index records of %d video files open: raise it", hard,
-                            len(index.records))
+        if index is not None:  # None: a dataset without cameras, nothing to map
+            _allow_open_records(len(index.records))
 
     def __missing__(self, relpath: str) -> SampleIndex:
         record = self.index.records[relpath]
         self[relpath] = read_record(record.path, record.size, record.identity, relpath)
         return self[relpath]
+
+
+def _allow_open_records(records: int) -> None:
+    """A mapped record keeps a file descriptor: raise the soft limit to ``records`` beside the
+    process's other files, within the hard limit, and warn when that is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = records + FILES_BESIDE_RECORDS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        if raised < wanted:
+            log.warning("the open-file limit (ulimit -n) is %d, and a worker may keep the "
+                        "index records of %d video files open: raise it", hard, records)
 
 
 def lock_timeout(value: float | str | None = None) -> float:
@@ -326,18 +334,21 @@ def lock_timeout(value: float | str | None = None) -> float:
                      f"{LOCK_TIMEOUT_ENV}): expected seconds, a number >= 0")
 
 
-def _missing(records: dict[str, Record]) -> dict[str, Record]:
-    """The ``records`` whose file is absent or not valid."""
+def _missing(records: dict[str, Record], check=None) -> dict[str, Record]:
+    """The ``records`` whose file is absent or not valid; ``check`` sees each valid one."""
     missing = {}
     for relpath, record in records.items():
         if not os.path.exists(record.path):
             missing[relpath] = record
             continue
         try:
-            read_record(record.path, record.size, record.identity, relpath)
+            index = read_record(record.path, record.size, record.identity, relpath)
         except SidecarInvalid as exc:
             log.info("%s: indexing again", exc)
             missing[relpath] = record
+            continue
+        if check:
+            check(relpath, index)
     return missing
 
 

@@ -32,11 +32,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from refstream import errors, resume, shard, sidecar
+from refstream import errors, resume, shard
 from refstream.budget import check_episode_size
 from refstream.errors import IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
+from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES
 from refstream.rng import MASK64, resolve_seed
 from refstream.roots import open_source
@@ -355,8 +356,7 @@ def _video_index(source, meta: DatasetMeta, lock_timeout_s: float) -> VideoIndex
     """The video index (SPEC §10.6), every frame rate checked (§9.2); None without cameras."""
     if not meta.camera_keys:
         return None
-    index = ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s)
-    for relpath, record in index.records.items():
-        samples = sidecar.read_record(record.path, record.size, record.identity, relpath)
+    def check(relpath: str, samples: SampleIndex) -> None:
         check_frame_rate(samples.pts, samples.timescale, meta.fps, relpath)
-    return index
+
+    return ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s, check=check)

@@ -513,6 +513,18 @@ def change_info(root: Path, change) -> None:
     (root / "meta/info.json").write_text(json.dumps(info))
 
 
+@pytest.mark.parametrize("index", ["built", "cached"])
+def test_the_fps_is_checked_against_every_video_whether_its_index_is_built_or_cached(dataset,
+                                                                                      index):
+    from refstream.stream import StreamingDataset
+
+    if index == "cached":
+        StreamingDataset(dataset)  # every record cached, at the right fps
+    change_info(dataset, lambda info: info.update(fps=25))
+    with pytest.raises(MalformedDataset, match="frame times disagree with meta/info.json's fps"):
+        StreamingDataset(dataset)
+
+
 def test_an_fps_the_videos_disagree_with_is_named_by_streaming_and_the_doctor(dataset):
     """info.json's fps 25 over 30 fps videos: the dataset refuses it when it is made (in the
     main process, before any worker), and the doctor says it once per video file; both show
