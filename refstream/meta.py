@@ -5,12 +5,14 @@ Use::
     meta = load_meta(source)          # info, episodes, tasks, stats: checked (SPEC §4.1–4.4, §4.7)
     ids = select_episodes(meta, [3, 7])           # None selects every episode
     meta.frames(3), meta.data_relpath(3), meta.video_relpath(3, meta.camera_keys[0])
+    meta.video_files()                            # every video file, of every camera
     meta.episode_rows(source, ids)                # those episodes' whole rows
     column_array(read_parquet(source, relpath)[name], relpath, name)   # any Parquet column
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
@@ -116,10 +118,14 @@ class DatasetMeta:
     total_tasks: int
     has_language_columns: bool
 
+    @functools.cached_property
+    def _rows(self) -> dict[int, int]:
+        return {episode: row for row, episode in enumerate(self.episode_index.tolist())}
+
     def row(self, episode: int) -> int:
         """Position of an episode id in the per-episode arrays (EpisodeSelectionError if absent)."""
-        pos = int(np.searchsorted(self.episode_index, episode))
-        if pos == len(self.episode_index) or self.episode_index[pos] != episode:
+        pos = self._rows.get(episode)
+        if pos is None:
             raise EpisodeSelectionError(f"episode {episode} is not in the dataset")
         return pos
 
@@ -141,6 +147,14 @@ class DatasetMeta:
         chunk, file = int(self.video_chunk[camera][row]), int(self.video_file[camera][row])
         return _format_path(self.video_path, "video_path", video_key=camera, chunk_index=chunk,
                             file_index=file)
+
+    def video_files(self) -> list[str]:
+        """Every video file the episodes table names, of every camera, sorted."""
+        return sorted(_format_path(self.video_path, "video_path", video_key=key, chunk_index=chunk,
+                                   file_index=file)
+                      for key in self.camera_keys
+                      for chunk, file in _distinct_pairs(self.video_chunk[key],
+                                                         self.video_file[key]))
 
     def episode_rows(self, source: Source, episodes: Sequence[int]) -> list[tuple[str, pa.Table]]:
         """Each episode's row of the episodes table, every column, beside the file it is in."""
@@ -418,10 +432,7 @@ def _check_paths(meta: DatasetMeta) -> None:
     """Format every distinct (chunk, file) pair once (SPEC §4.3 check 6)."""
     for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
         _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
-    for key in meta.camera_keys:
-        for chunk, file in _distinct_pairs(meta.video_chunk[key], meta.video_file[key]):
-            _format_path(meta.video_path, "video_path", video_key=key, chunk_index=chunk,
-                         file_index=file)
+    meta.video_files()
 
 
 def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:

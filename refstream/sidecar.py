@@ -2,7 +2,7 @@
 training starts without reading a ``moov`` again, one *record* per size and content (SPEC §10).
 Use::
 
-    relpaths = video_relpaths(meta)              # every video file of the complete dataset
+    relpaths = meta.video_files()                # every video file of the complete dataset
     index = ensure_index(source, relpaths)       # main process: cached, published or built
     mapped = MappedIndex(index)                  # in each worker: relpath -> SampleIndex
 
@@ -45,13 +45,13 @@ from refstream.errors import (
     SidecarLockTimeout,
     UsageError,
 )
-from refstream.meta import DatasetMeta, parse_json
+from refstream.meta import parse_json
 from refstream.mp4 import SampleIndex, parse_index
 from refstream.source import RangeFile, Source
 
 __all__ = ["Record", "VideoIndex", "MappedIndex", "ensure_index", "read_record", "record_bytes",
            "record_name", "storage_dtype", "lock_timeout", "cache_folder", "default_cache_root",
-           "video_relpaths", "install", "fsync_directory", "pin_identities"]
+           "install", "fsync_directory", "pin_identities"]
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,6 @@ def default_cache_root() -> Path:
 def cache_folder(cache_root: str | Path | None = None) -> Path:
     """Where records are cached: ``<cache root>/index``."""
     return Path(cache_root if cache_root is not None else default_cache_root()) / "index"
-
-
-def video_relpaths(meta: DatasetMeta) -> list[str]:
-    """Every video file of the complete dataset (every episode, every camera), sorted."""
-    return sorted({meta.video_relpath(int(episode), camera)
-                   for episode in meta.episode_index for camera in meta.camera_keys})
 
 
 def record_name(size: int, identity: str) -> str:

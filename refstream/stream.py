@@ -41,7 +41,7 @@ from refstream.mp4 import SampleIndex
 from refstream.planner import STRATEGIES
 from refstream.rng import MASK64, resolve_seed
 from refstream.roots import open_source
-from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout, video_relpaths
+from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout
 from refstream.stats import selection_stats
 from refstream.synth import check_frame_rate
 from refstream.windows import check_tolerance, make_windows
@@ -359,4 +359,4 @@ def _video_index(source, meta: DatasetMeta, lock_timeout_s: float) -> VideoIndex
     def check(relpath: str, samples: SampleIndex) -> None:
         check_frame_rate(samples.pts, samples.timescale, meta.fps, relpath)
 
-    return ensure_index(source, video_relpaths(meta), lock_timeout_s=lock_timeout_s, check=check)
+    return ensure_index(source, meta.video_files(), lock_timeout_s=lock_timeout_s, check=check)

@@ -696,7 +696,7 @@ def test_decode_mode_must_be_known(dataset):
 
 def build_sidecar(root: Path, cache_root: Path, indexer=parse_index) -> sidecar.VideoIndex:
     source = open_source(root)
-    relpaths = sidecar.video_relpaths(load_meta(source))
+    relpaths = load_meta(source).video_files()
     return ensure_with(indexer, source, relpaths, cache_root=cache_root, workers=1)
 
 

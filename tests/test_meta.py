@@ -130,6 +130,8 @@ def test_random_layouts_load_as_written(lengths, per_meta_file, per_data_file, c
     assert list(data_files) == layout.data_files
     assert meta.video_from_s["cam"].tolist() == layout.video_from_s
     assert meta.video_to_s["cam"].tolist() == layout.video_to_s
+    # Every video file, whole: the files of each episode, looked up one at a time.
+    assert meta.video_files() == sorted({meta.video_relpath(e, "cam") for e in range(len(lengths))})
 
 
 def test_stats_columns_are_never_read(tmp_path):

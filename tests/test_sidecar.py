@@ -331,7 +331,7 @@ def open_hub(root: str, cache: Path, indexer=None):
     """The video index of a Hub root, as StreamingDataset gets it."""
     source = open_source(root)
     try:
-        relpaths = sidecar.video_relpaths(load_meta(source))
+        relpaths = load_meta(source).video_files()
         return ensure_with(indexer or never, source, relpaths, cache_root=cache)
     finally:
         source.close()

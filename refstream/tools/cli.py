@@ -303,7 +303,7 @@ def run_index(args) -> int:
 
     started = time.monotonic()
     with contextlib.closing(open_source(args.root)) as source:
-        index = sidecar.ensure_index(source, sidecar.video_relpaths(load_meta(source)),
+        index = sidecar.ensure_index(source, load_meta(source).video_files(),
                                      workers=args.workers, progress=draw_index_progress)
     seconds = time.monotonic() - started
     records = {record.path: record for record in index.records.values()}

@@ -126,7 +126,7 @@ def check_dataset(source: Source, *, root: str | Path | None = None, tolerance_s
         meta = load_meta(source)
     except errors.RefstreamError as exc:
         return unreadable(label, exc)
-    video_relpaths = sidecar.video_relpaths(meta)
+    video_relpaths = meta.video_files()
     files = len(set(meta.data_relpath(int(e)) for e in meta.episode_index))
     not_checked: list[str] = []
     with _progress_bar(files + 2 * len(video_relpaths), progress) as tick:
