@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import struct
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -159,8 +160,10 @@ def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
     low_ticks = max(-clamp, min(clamp, (float(finite.min()) - tolerance_s) * index.timescale))
     high_ticks = max(-clamp, min(clamp, (float(finite.max()) + tolerance_s) * index.timescale))
     low, high = index.composition_range  # dts rises, and pts − dts stays in this range
-    return slice(int(np.searchsorted(index.dts, math.floor(low_ticks) - 2 - high, "left")),
-                 int(np.searchsorted(index.dts, math.ceil(high_ticks) + 2 - low, "right")))
+    # bisect reads a few elements; np.searchsorted copies a narrow or unaligned array (as the
+    # mapped records hold them) to compare it with a Python int, on every call.
+    return slice(bisect_left(index.dts, math.floor(low_ticks) - 2 - high),
+                 bisect_right(index.dts, math.ceil(high_ticks) + 2 - low))
 
 
 def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
