@@ -176,14 +176,11 @@ def read_record(file: str | Path | BinaryIO, size: int, identity: str, relpath: 
                 raise ValueError("the record does not match its digest")
             if np.any(index.dts[1:] < index.dts[:-1]):
                 raise ValueError("dts decreases")  # spans are found by searching dts
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the record's fault
+    except CORRUPT_NPY as exc:
+        if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):  # not the record's fault
             raise SidecarError(f"{file}: cannot open the index record of {relpath or 'the file'}"
                                f" ({exc}): a worker keeps each video file's record open; raise "
                                "the open-file limit (ulimit -n) above the video files") from exc
-        raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
-                             f"({type(exc).__name__}: {exc})") from exc
-    except CORRUPT_NPY as exc:
         raise SidecarInvalid(f"{file}: not a valid index record of {relpath or 'the file'} "
                              f"({type(exc).__name__}: {exc})") from exc
     return index
