@@ -263,11 +263,11 @@ def ensure_index(source: Source, relpaths: Sequence[str], *,
                for relpath, (size, identity) in identities.items() if identity}
     volatile = _volatile_records(folder, identities, records)
     _index_files(source, volatile, workers, progress)
-    published, missing = 0, {}
-    if _missing(records, check):
+    published, missing = 0, _missing(records, check)
+    if missing:
         with _exclusive(folder / ".lock", timeout_s):
             _remove_orphans(folder)
-            missing = _missing(records, check)  # another process may have installed them
+            missing = _missing(missing, check)  # another process may have installed them
             if missing:
                 published = _take_published(source, missing)
                 missing = _missing(missing, check)
