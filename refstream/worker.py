@@ -268,8 +268,8 @@ class WorkerStream:
         for future in futures:  # after this thread's error, as when it decoded its part first
             future.result()
         made.done = len(made.anchors)
-        finished = [e for e in self.drained if not self.in_flight.get(e)]
-        for episode in finished:  # drained, its last anchor decoded: free its bytes and decoders
+        # Drained, its last anchor decoded: free its bytes and decoders.
+        for episode in [e for e in self.drained if not self.in_flight.get(e)]:
             self._discard(episode)
             self.drained.discard(episode)
             self.budget.release(episode)
@@ -335,12 +335,11 @@ class WorkerStream:
 
     def _admit(self, episode: int, wait: bool) -> bool:
         """Reserve ``episode`` (fetched when needed); False if it must wait (only if not wait)."""
-        timeout_s = None if wait else 0
-        if not self.budget.acquire(episode, self.byte_sizes[episode], timeout_s=timeout_s):
-            return False
-        for evicted in self.budget.take_evicted():
+        admitted = self.budget.acquire(episode, self.byte_sizes[episode],
+                                       timeout_s=None if wait else 0)
+        for evicted in self.budget.take_evicted():  # none when it must wait
             self._discard(evicted)
-        return True
+        return admitted
 
     def _prefetch(self, planner: Planner) -> None:
         """Reserve and fetch frontier episodes while they fit without evicting (SPEC §9.3)."""
