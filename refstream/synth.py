@@ -289,7 +289,7 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
 
 
 def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int, int]:
-    """(chunk offset width 4 or 8, moov size, mdat header size), by SPEC §7.2's arithmetic."""
+    """(chunk offset width 4 or 8, bytes before the payload, mdat header size), by SPEC §7.2."""
     samples = len(layout.sizes)
     moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * len(_runs(layout.durations)[0]) + 4 * samples
     if layout.composition.any():
@@ -300,13 +300,12 @@ def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int
     before_payload = len(index.ftyp or DEFAULT_FTYP) + moov + 4 * samples + mdat_header
     # co64 only makes the header longer, so one switch settles the width.
     width = 8 if before_payload + int(layout.relative.max()) > UINT32_MAX else 4
-    return width, moov + width * samples, mdat_header
+    return width, before_payload + (width - 4) * samples, mdat_header  # counted 4-byte offsets
 
 
 def synthesized_size(index: SampleIndex, span: Span) -> int:
     """``len(synthesize(index, span, payload))``, computed from the index alone."""
-    _, moov, mdat_header = _geometry(index, span, _layout(index, span))
-    return len(index.ftyp or DEFAULT_FTYP) + moov + mdat_header + span.byte_length
+    return _geometry(index, span, _layout(index, span))[1] + span.byte_length
 
 
 def box(kind: bytes, *parts: bytes) -> bytes:
@@ -327,9 +326,8 @@ def table_box(kind: bytes, dtype: str, *columns: np.ndarray) -> bytes:
 def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     """``ftyp | moov | mdat header``: the mini-MP4 up to where the payload starts."""
     layout = _layout(index, span)
-    width, moov_size, mdat_header = _geometry(index, span, layout)
+    width, payload_at, mdat_header = _geometry(index, span, layout)
     ftyp = index.ftyp or DEFAULT_FTYP
-    payload_at = len(ftyp) + moov_size + mdat_header
     timescale, duration = index.timescale, layout.edit_duration
 
     mvhd = full_box(b"mvhd", 1, 0, struct.pack(">QQIQ", 0, 0, timescale, duration),
@@ -358,7 +356,7 @@ def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     minf = box(b"minf", vmhd, dinf, stbl)
     trak = box(b"trak", tkhd, box(b"edts", elst), box(b"mdia", mdhd, hdlr, minf))
     moov = box(b"moov", mvhd, trak)
-    assert len(moov) == moov_size, "synthesized_size and synthesize disagree"
+    assert len(ftyp) + len(moov) + mdat_header == payload_at, "synthesized_size disagrees"
     if mdat_header == 8:
         return ftyp + moov + struct.pack(">I4s", 8 + span.byte_length, b"mdat")
     return ftyp + moov + struct.pack(">I4sQ", 1, b"mdat", 16 + span.byte_length)
