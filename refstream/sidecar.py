@@ -301,8 +301,7 @@ class MappedIndex(dict):
 
 
 def _allow_open_records(records: int) -> None:
-    """A mapped record keeps a file descriptor: raise the soft limit to ``records`` beside the
-    process's other files, within the hard limit, and warn when that is too low."""
+    """A mapped record keeps a file descriptor: make room for ``records`` of them, or warn."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = records + FILES_BESIDE_RECORDS
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -381,8 +380,7 @@ def _index_files(source: Source, records: dict[str, Record], workers: int,
     def index_one(relpath: str, record: Record) -> None:
         index = parse_index(lambda offset, length: source.read_range(relpath, offset, length),
                             record.size, relpath)
-        data = record_bytes(index, record.identity)
-        _install_record(relpath, record, lambda f: f.write(data))
+        _install_record(relpath, record, lambda f: f.write(record_bytes(index, record.identity)))
 
     pin_identities(source, records)
     logged = time.monotonic()
