@@ -137,7 +137,7 @@ class DatasetMeta:
         """Root-relative path of the data Parquet file that holds an episode's rows."""
         row = self.row(episode)
         chunk, file = int(self.data_chunk[row]), int(self.data_file[row])
-        return _format_path(self.data_path, "data_path", chunk_index=chunk, file_index=file)
+        return _format_path(self.data_path, "data_path", chunk, file)
 
     def video_relpath(self, episode: int, camera: str) -> str:
         """Root-relative path of the MP4 file that holds an episode's frames of one camera."""
@@ -145,13 +145,11 @@ class DatasetMeta:
             raise UsageError(f"{camera!r} is not a camera of the dataset ({self.camera_keys})")
         row = self.row(episode)
         chunk, file = int(self.video_chunk[camera][row]), int(self.video_file[camera][row])
-        return _format_path(self.video_path, "video_path", video_key=camera, chunk_index=chunk,
-                            file_index=file)
+        return _format_path(self.video_path, "video_path", chunk, file, camera)
 
     def video_files(self) -> list[str]:
         """Every video file the episodes table names, of every camera, sorted."""
-        return sorted(_format_path(self.video_path, "video_path", video_key=key, chunk_index=chunk,
-                                   file_index=file)
+        return sorted(_format_path(self.video_path, "video_path", chunk, file, key)
                       for key in self.camera_keys
                       for chunk, file in _distinct_pairs(self.video_chunk[key],
                                                          self.video_file[key]))
@@ -294,10 +292,10 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
                                f"{sorted(fields - used)}")
 
 
-def _format_path(template: str, name: str, **values: object) -> str:
+def _format_path(template: str, name: str, chunk: int, file: int, key: str | None = None) -> str:
     """A checked template (:func:`_check_template`) filled in; UnsafePath naming it."""
-    try:
-        return check_relpath(template.format(**values))
+    try:  # (data_path has no video_key: format ignores it)
+        return check_relpath(template.format(chunk_index=chunk, file_index=file, video_key=key))
     except UnsafePath as exc:
         raise UnsafePath(f"{INFO_PATH}: {name} {template!r} gives an unsafe {exc}") from None
 
@@ -431,7 +429,7 @@ def _first(bad: np.ndarray) -> int | None:
 def _check_paths(meta: DatasetMeta) -> None:
     """Format every distinct (chunk, file) pair once (SPEC §4.3 check 6)."""
     for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
-        _format_path(meta.data_path, "data_path", chunk_index=chunk, file_index=file)
+        _format_path(meta.data_path, "data_path", chunk, file)
     meta.video_files()
 
 
