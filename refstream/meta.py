@@ -188,7 +188,6 @@ def load_meta(source: Source) -> DatasetMeta:
         depth_keys=[],  # a depth map is refused (SPEC §4.2)
         has_language_columns=any(key in info["features"] for key in LANGUAGE_COLUMNS))
     _check_episodes(meta)
-    _check_paths(meta)
     return meta
 
 
@@ -392,7 +391,7 @@ def index_column(table: pa.Table, name: str, where: str) -> np.ndarray:
 
 
 def _check_episodes(meta: DatasetMeta) -> None:
-    """MalformedDataset unless the episodes table is consistent (SPEC §4.3 checks 1–5)."""
+    """SPEC §4.3 checks 1–6 of the episodes table: MalformedDataset, or UnsafePath (check 6)."""
     ids, frames, where = meta.episode_index, meta.to_index - meta.from_index, "meta/episodes"
     if (i := _first(ids[:1] < 0)) is not None:
         raise MalformedDataset(f"{where}: negative episode_index {int(ids[i])}")
@@ -418,19 +417,16 @@ def _check_episodes(meta: DatasetMeta) -> None:
     for name, chunks, files in indices:
         if (i := _first((chunks < 0) | (files < 0))) is not None:
             raise MalformedDataset(f"{where}: episode {int(ids[i])}: {name} chunk/file index < 0")
+    # Check 6: every distinct (chunk, file) pair formatted once.
+    for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
+        _format_path(meta.data_path, "data_path", chunk, file)
+    meta.video_files()
 
 
 def _first(bad: np.ndarray) -> int | None:
     """The first row where ``bad`` is true, None when none is."""
     rows = np.flatnonzero(bad)
     return int(rows[0]) if len(rows) else None
-
-
-def _check_paths(meta: DatasetMeta) -> None:
-    """Format every distinct (chunk, file) pair once (SPEC §4.3 check 6)."""
-    for chunk, file in _distinct_pairs(meta.data_chunk, meta.data_file):
-        _format_path(meta.data_path, "data_path", chunk, file)
-    meta.video_files()
 
 
 def _distinct_pairs(chunks: np.ndarray, files: np.ndarray) -> list[tuple[int, int]]:
