@@ -198,11 +198,10 @@ def select_episodes(meta: DatasetMeta, episodes: Sequence[int] | None) -> list[i
     ids = episode_ids(episodes, EpisodeSelectionError)
     if not ids:
         raise EpisodeSelectionError("episodes=[] selects no episode")
-    known = set(meta.episode_index.tolist())
-    unknown = sorted(set(ids) - known)
+    unknown = sorted(set(ids).difference(meta._rows))
     if unknown:
         raise EpisodeSelectionError(f"episodes not in the dataset: {unknown} "
-                                    f"(it has {len(known)} episodes)")
+                                    f"(it has {len(meta._rows)} episodes)")
     return sorted(ids)
 
 
@@ -242,9 +241,8 @@ def _read_info(source: Source) -> tuple[dict, list[str]]:
 
 
 def _is_depth(feature: dict) -> bool:  # whether LeRobot counts it among its depth_keys
-    groups = [feature.get("info"), feature.get("video_info")]
     return any(isinstance(group, dict) and any(group.get(flag) for flag in _DEPTH_FLAGS)
-               for group in groups)
+               for group in (feature.get("info"), feature.get("video_info")))
 
 
 # Python's json reads NaN, Infinity and -Infinity; JSON has no such tokens.
@@ -276,7 +274,6 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
     except ValueError as exc:
         raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} is not a template "
                                f"({exc})") from exc
-    used = set()
     for _, field, spec, conversion in parsed:
         if field is None:
             continue
@@ -285,10 +282,10 @@ def _check_template(template: object, name: str, fields: frozenset[str]) -> None
             raise MalformedDataset(f"{INFO_PATH}: {name} {template!r}: placeholder {field!r} "
                                    f"is not allowed as written; allowed are {sorted(fields)} as "
                                    "{name}, an index also as {name:0Nd} (e.g. {chunk_index:03d})")
-        used.add(field)
-    if used != fields:
+    missing = fields - {field for _, field, _, _ in parsed}
+    if missing:
         raise MalformedDataset(f"{INFO_PATH}: {name} {template!r} lacks placeholder(s) "
-                               f"{sorted(fields - used)}")
+                               f"{sorted(missing)}")
 
 
 def _format_path(template: str, name: str, chunk: int, file: int, key: str | None = None) -> str:
