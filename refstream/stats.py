@@ -69,12 +69,11 @@ def aggregate_stats(parts: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> 
     if not parts:
         raise UsageError("aggregate_stats needs at least one part")
     features = dict.fromkeys(feature for part in parts for feature in part)
-    return {feature: _aggregate_feature([part[feature] for part in parts if feature in part],
-                                        feature)
-            for feature in features}
+    return {feature: _aggregate_feature(parts, feature) for feature in features}
 
 
-def _aggregate_feature(parts: list[Mapping[str, np.ndarray]], feature: str) -> dict:
+def _aggregate_feature(all_parts: Sequence[Mapping[str, Mapping]], feature: str) -> dict:
+    parts = [part[feature] for part in all_parts if feature in part]  # the parts that have it
     quantiles = [name for name in parts[0] if name not in _MOMENTS]
     missing = [name for name in (*_MOMENTS, *quantiles) if any(name not in part for part in parts)]
     if missing:
