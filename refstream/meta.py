@@ -372,8 +372,7 @@ def column_array(column: pa.ChunkedArray, where: str, name: str,
     try:
         values = array.to_numpy(zero_copy_only=False)
     except (pa.ArrowException, ValueError) as exc:
-        raise error(f"{where}: column {name!r} of type {column.type} has no numeric "
-                    "form") from exc
+        raise error(f"{where}: column {name!r} of type {column.type} has no numeric form") from exc
     return values.reshape(shape)
 
 
