@@ -27,17 +27,7 @@ from urllib.parse import quote, urljoin, urlsplit
 
 import requests
 
-from refstream.errors import (
-    BadRangeResponse,
-    FetchError,
-    HTTPStatusError,
-    MalformedDataset,
-    PayloadChanged,
-    RateLimited,
-    RetriesExhausted,
-    ShortRead,
-    UsageError,
-)
+from refstream import errors
 from refstream.source import Source, byte_range, check_relpath, check_span, check_tail
 
 __all__ = ["HTTPSource", "RetryPolicy", "Accept", "Retry", "FallBack", "judge_response",
@@ -78,7 +68,7 @@ class Accept:
 class Retry:
     """This attempt failed in a way the next one may not."""
 
-    cause: FetchError  # what failed; chained to RetriesExhausted when no attempt is left
+    cause: errors.FetchError  # what failed; chained to RetriesExhausted when no attempt is left
     after_s: float | None = None  # the server's Retry-After or RateLimit reset, None: neither
     quota: str = ""  # the quota a RateLimit header names as spent, "" when none
 
@@ -107,13 +97,13 @@ def judge_response(status: int, headers: Mapping[str, str], *,
     if status == 416 and suffix is not None:
         return FallBack()
     if status in ABSENT_STATUSES:
-        raise MalformedDataset(f"{where}: missing from the dataset (HTTP {status})")
+        raise errors.MalformedDataset(f"{where}: missing from the dataset (HTTP {status})")
     if status == 412:
-        raise PayloadChanged(f"{where}: HTTP 412, the file changed since indexed")
+        raise errors.PayloadChanged(f"{where}: HTTP 412, the file changed since indexed")
     if status == 416:
         extra = headers.get("Content-Range", "")
-        raise BadRangeResponse(f"{where}: HTTP 416 range not satisfiable {extra}".rstrip())
-    raise HTTPStatusError(f"{where}: HTTP {status}")
+        raise errors.BadRangeResponse(f"{where}: HTTP 416 range not satisfiable {extra}".rstrip())
+    raise errors.HTTPStatusError(f"{where}: HTTP {status}")
 
 
 def _retry(status: int, headers: Mapping[str, str], where: str, now: datetime | None) -> Retry:
@@ -121,9 +111,9 @@ def _retry(status: int, headers: Mapping[str, str], where: str, now: datetime | 
     after_s = parse_retry_after(headers.get("Retry-After"), now)
     spent = _RATE_LIMIT.match(headers.get("RateLimit", "").strip(" \t"))
     if status in (429, 503) and spent:
-        return Retry(HTTPStatusError(f"{where}: HTTP {status}"),
+        return Retry(errors.HTTPStatusError(f"{where}: HTTP {status}"),
                      max(float(spent[2]), after_s or 0.0), spent[1])
-    return Retry(HTTPStatusError(f"{where}: HTTP {status}"), after_s)
+    return Retry(errors.HTTPStatusError(f"{where}: HTTP {status}"), after_s)
 
 
 def _partial(headers: Mapping[str, str], first_last: tuple[int, int] | None,
@@ -138,7 +128,7 @@ def _partial(headers: Mapping[str, str], first_last: tuple[int, int] | None,
     first, last = first_last or _suffix_range(suffix, total)
     if (got_first, got_last) != (first, last):
         if got_first == first and total is not None and got_last == total - 1 < last:
-            raise ShortRead(f"{where}: file has only {total} bytes")
+            raise errors.ShortRead(f"{where}: file has only {total} bytes")
         raise _bad_content_range(headers, where)
     length = last - first + 1
     return Accept(body_bytes=length, skip_bytes=0, file_size=total, answer_bytes=length)
@@ -149,19 +139,20 @@ def _whole_file(headers: Mapping[str, str], first_last: tuple[int, int] | None,
                 where: str) -> Accept | FallBack:
     """A 200 answer to a range: the range is cut from the whole file, when it is small."""
     if "Content-Range" in headers:
-        raise BadRangeResponse(f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
+        raise errors.BadRangeResponse(
+            f"{where}: 200 with Content-Range {headers['Content-Range']!r}")
     total = parse_decimal(headers.get("Content-Length"))
     if total is None:
-        raise BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
+        raise errors.BadRangeResponse(f"{where}: server ignored Range, no Content-Length")
     if total > cap_bytes and suffix is not None:
         return FallBack()
     if total > cap_bytes:
-        raise BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
-                               f"({total} bytes > {cap_bytes}-byte cap)")
+        raise errors.BadRangeResponse(f"{where}: server ignored Range and sent the whole file "
+                                      f"({total} bytes > {cap_bytes}-byte cap)")
     _check_size(known_size, total, where)
     first, last = first_last or _suffix_range(suffix, total)
     if total <= last:
-        raise ShortRead(f"{where}: file has only {total} bytes")
+        raise errors.ShortRead(f"{where}: file has only {total} bytes")
     return Accept(body_bytes=total, skip_bytes=first, file_size=total,
                   answer_bytes=last - first + 1)
 
@@ -196,13 +187,15 @@ def parse_decimal(text: str | None) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
-def _bad_content_range(headers, where: str) -> BadRangeResponse:
-    return BadRangeResponse(f"{where}: 206 with Content-Range {headers.get('Content-Range', '')!r}")
+def _bad_content_range(headers, where: str) -> errors.BadRangeResponse:
+    content_range = headers.get("Content-Range", "")
+    return errors.BadRangeResponse(f"{where}: 206 with Content-Range {content_range!r}")
 
 
 def _check_size(known_size: int | None, total: int | None, where: str) -> None:
     if known_size is not None and total is not None and total != known_size:
-        raise PayloadChanged(f"{where}: file size changed from {known_size} to {total} bytes")
+        raise errors.PayloadChanged(
+            f"{where}: file size changed from {known_size} to {total} bytes")
 
 
 # --- retries -----------------------------------------------------------------------------------
@@ -262,7 +255,7 @@ class HTTPSource(Source):
                  read_timeout_s: float = 60.0, retry: RetryPolicy | None = None,
                  label: str | None = None) -> None:
         if urlsplit(base_url).username or urlsplit(base_url).password:
-            raise UsageError("credentials in a URL are refused; pass a token instead")
+            raise errors.UsageError("credentials in a URL are refused; pass a token instead")
         super().__init__()
         self.base_url = base_url.rstrip("/")
         self.label = label or self.base_url
@@ -340,7 +333,7 @@ class HTTPSource(Source):
             return None, None
         size = parse_decimal(_on_chain(answer.hops, "X-Linked-Size", "Content-Length"))
         if size is None:
-            raise BadRangeResponse(f"{where}: no Content-Length")
+            raise errors.BadRangeResponse(f"{where}: no Content-Length")
         self._sizes[relpath] = size
         return size, _identity_of(answer.hops)
 
@@ -360,9 +353,9 @@ class HTTPSource(Source):
         expected, where = decision.body_bytes, request.where
         if broken or (expected is not None and len(body) < expected):
             of = "" if expected is None else f" of {expected}"
-            return Retry(ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
+            return Retry(errors.ShortRead(f"{where}: body has {len(body)}{of} bytes{broken}"))
         if expected is not None and len(body) > expected:
-            raise BadRangeResponse(f"{where}: body longer than {expected} bytes")
+            raise errors.BadRangeResponse(f"{where}: body longer than {expected} bytes")
         if request.relpath is not None:
             if decision.file_size is not None:
                 self._sizes.setdefault(request.relpath, decision.file_size)
@@ -378,16 +371,16 @@ class HTTPSource(Source):
             try:
                 outcome = self._attempt(request)
             except (requests.ConnectionError, requests.Timeout) as exc:
-                outcome = Retry(FetchError(f"{request.where}: {type(exc).__name__}: {exc}"))
+                outcome = Retry(errors.FetchError(f"{request.where}: {type(exc).__name__}: {exc}"))
             except requests.RequestException as exc:
-                raise FetchError(f"{request.where}: {type(exc).__name__}: {exc}") from exc
+                raise errors.FetchError(f"{request.where}: {type(exc).__name__}: {exc}") from exc
             if not isinstance(outcome, Retry):
                 return outcome
             quota = f'quota "{outcome.quota}"' if outcome.quota else "Retry-After"
             if outcome.after_s is not None:  # at least 1 s: a server saying 0 is not a busy loop
                 delay_s = max(1.0, outcome.after_s)
                 if waited_s + delay_s > policy.rate_limit_wait_s:
-                    raise RateLimited(
+                    raise errors.RateLimited(
                         f"{outcome.cause}: rate limited ({quota}, resets in {delay_s:.0f} s), "
                         f"past the {policy.rate_limit_wait_s:.0f} s a request may wait; raise "
                         f"{RATE_LIMIT_WAIT_ENV}") from outcome.cause
@@ -402,8 +395,8 @@ class HTTPSource(Source):
             else:
                 break
             time.sleep(delay_s)
-        raise RetriesExhausted(f"{request.where}: failed {policy.max_attempts} times; "
-                               f"last: {outcome.cause}") from outcome.cause
+        raise errors.RetriesExhausted(f"{request.where}: failed {policy.max_attempts} times; "
+                                      f"last: {outcome.cause}") from outcome.cause
 
     def _refuse(self, status: int, headers: Mapping[str, str], where: str) -> None:
         """Raise the server's own explanation of a refused request (:class:`HubSource`'s)."""
@@ -431,7 +424,7 @@ class HTTPSource(Source):
                 return response, hops
             response.close()
             url = urljoin(url, location)
-        raise HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
+        raise errors.HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
 
     def _read_body(self, response: requests.Response, limit: int | None) -> tuple[bytes, str]:
         """The body up to ``limit + 1`` bytes, and how the connection broke (``""`` if not)."""
