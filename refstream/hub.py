@@ -28,7 +28,6 @@ from urllib.parse import parse_qsl, quote, unquote, urljoin, urlsplit
 import requests
 
 from refstream import errors
-from refstream.errors import FetchError, MalformedDataset, UsageError, is_int
 from refstream.http import HTTPSource, parse_decimal
 from refstream.meta import parse_json
 from refstream.sidecar import default_cache_root, install
@@ -77,16 +76,16 @@ def parse_hf_root(root: str) -> HfRoot:
     parts = rest.split("/")
     if not root.startswith("hf://") or kind not in ("datasets", "buckets") or len(parts) < 2 \
             or not all(parts[:2]):
-        raise UsageError(f"{root!r}: expected hf://datasets/OWNER/NAME[@REV] "
-                         "or hf://buckets/OWNER/NAME")
+        raise errors.UsageError(f"{root!r}: expected hf://datasets/OWNER/NAME[@REV] "
+                                "or hf://buckets/OWNER/NAME")
     owner, name, prefix = parts[0], parts[1], "/".join(parts[2:]).strip("/")
     if prefix:
         check_relpath(prefix)
     name, at, revision = name.partition("@")
     if kind == "buckets" and at:
-        raise UsageError(f"{root!r}: buckets have no revisions")
+        raise errors.UsageError(f"{root!r}: buckets have no revisions")
     if not name or (at and not revision):
-        raise UsageError(f"{root!r}: empty repository name or revision")
+        raise errors.UsageError(f"{root!r}: empty repository name or revision")
     return HfRoot(kind=kind, owner=owner, name=name, prefix=prefix,
                   revision=None if kind == "buckets" else unquote(revision or "main"))
 
@@ -133,10 +132,10 @@ def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None 
     api_url = hf.revision_api_url(endpoint)
     if api_url is not None:
         with contextlib.closing(HubSource(hf, endpoint, hf.revision, **options)) as api:
-            answer = parse_json(api.get_url(api_url)[0], api_url, error=FetchError)
+            answer = parse_json(api.get_url(api_url)[0], api_url, error=errors.FetchError)
         commit = answer.get("sha") if isinstance(answer, dict) else None
         if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
-            raise FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
+            raise errors.FetchError(f"{root}: the Hub gave no commit for revision {hf.revision!r}")
     options["label"] = pinned_root(root, f"commit:{commit}")
     return HubSource(hf, endpoint, commit, **options)
 
@@ -176,7 +175,7 @@ class HubSource(HTTPSource):
                 url = urljoin(url, after[1]) if after else None
         missing = sorted(wanted - set(found))
         if missing:
-            raise MalformedDataset(f"{missing[0]}: missing from dataset root {self.label}")
+            raise errors.MalformedDataset(f"{missing[0]}: missing from dataset root {self.label}")
         return {relpath: found[relpath] for relpath in sorted(wanted)}
 
     def _send(self, method: str, url: str, headers: dict[str, str],
@@ -243,7 +242,7 @@ class HubSource(HTTPSource):
         if code == "RevisionNotFound":
             raise errors.HubRevisionNotFound(f"{repo} has no revision {self._commit!r}")
         if code == "EntryNotFound":
-            raise MalformedDataset(f"{repo} has no such file at revision {self._commit}")
+            raise errors.MalformedDataset(f"{repo} has no such file at revision {self._commit}")
         if code not in ("RepoNotFound", "GatedRepo") and status != 401:
             return
         if not self._token:
@@ -255,17 +254,17 @@ class HubSource(HTTPSource):
 
     def _listed(self, url: str, body: bytes) -> dict[str, tuple[int, str]]:
         """The files of one page of a tree listing, by relpath."""
-        entries, files = parse_json(body, url, error=FetchError), {}
+        entries, files = parse_json(body, url, error=errors.FetchError), {}
         for entry in entries if isinstance(entries, list) else [entries]:
             if not (isinstance(entries, list) and isinstance(entry, dict)
                     and isinstance(entry.get("path"), str)):
-                raise FetchError(f"{url}: not a tree listing (entry {entry!r})")
+                raise errors.FetchError(f"{url}: not a tree listing (entry {entry!r})")
             if entry.get("type") != "file" or not entry["path"].startswith(self._prefix):
                 continue
             lfs = entry.get("lfs") or entry  # an LFS file's oid is its content's sha256
             oid = lfs.get("oid") if isinstance(lfs, dict) else None
-            if not isinstance(oid, str) or not is_int(entry.get("size"), 0):
-                raise FetchError(f"{url}: not a tree listing (file {entry!r})")
+            if not isinstance(oid, str) or not errors.is_int(entry.get("size"), 0):
+                raise errors.FetchError(f"{url}: not a tree listing (file {entry!r})")
             kind = "git-sha1" if lfs is entry else "sha256"
             files[entry["path"].removeprefix(self._prefix)] = (entry["size"], f"{kind}:{oid}")
         return files
