@@ -36,7 +36,6 @@ from refstream.source import check_relpath
 __all__ = ["hub_endpoint", "open_hf_source", "parse_hf_root", "pinned_root", "target_expiry",
            "resolve_again"]
 
-HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _NEXT_PAGE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')  # in a Link header
 # What a remembered redirect target answers once its signature expired (S3/CloudFront: 403).
@@ -116,7 +115,7 @@ def resolve_again(expiry: float, now: float) -> bool:
 
 def hub_endpoint(endpoint: str | None = None) -> str:
     """``endpoint``, else ``$HF_ENDPOINT``, else the public Hub; without a trailing ``/``."""
-    return (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
+    return (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
 def open_hf_source(root: str, *, endpoint: str | None = None, token: str | None = None,
