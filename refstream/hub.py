@@ -161,8 +161,7 @@ class HubSource(HTTPSource):
         """Nothing to check: every read names the commit, and a commit's files never change."""
 
     def content_identities(self, relpaths: Iterable[str]) -> dict[str, tuple[int, str]]:
-        """``relpath -> (size, "sha256:<LFS oid>")`` (``"git-sha1:<oid>"`` for a file outside
-        LFS) from the listing of each top folder of ``relpaths``, one request per page."""
+        """``relpath -> (size, content identity)`` from the commit's tree listing (SPEC §10.1)."""
         wanted, found = set(relpaths), {}
         for folder in sorted({relpath.rpartition("/")[0].split("/")[0] for relpath in wanted}):
             path = quote((self._prefix + folder).rstrip("/"), safe="/")
