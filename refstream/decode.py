@@ -256,9 +256,8 @@ class DecoderCache:
 
     def discard(self, key: tuple[int, str]) -> None:
         """Close ``key``'s decoder if open (e.g. when its episode leaves the pool)."""
-        decoder = self._decoders.pop(key, None)
-        if decoder is not None:
-            decoder.close()
+        if key in self._decoders:
+            self._decoders.pop(key).close()
 
     def close(self) -> None:
         while self._decoders:
