@@ -9,6 +9,7 @@ environment of ``.ci/lerobot``; elsewhere the module is skipped as a whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,7 +22,14 @@ import pytest
 
 pytest.importorskip("lerobot", reason="needs LeRobot: run under .ci/lerobot's env")
 
+import pandas  # noqa: E402
+from lerobot.datasets import LeRobotDatasetMetadata  # noqa: E402
+from lerobot.policies.pretrained import _build_card_context  # noqa: E402
 from rangeserver import HubConfig, RangeServer  # noqa: E402
+
+from refstream.meta import load_meta  # noqa: E402
+from refstream.source import LocalSource  # noqa: E402
+from refstream.tools.lerobot_train import card_metadata  # noqa: E402
 
 PROJECT = Path(__file__).parents[1]
 PROBE = Path(__file__).with_name("lerobot_probe.py")
@@ -114,6 +122,30 @@ def test_trains_from_the_hub(dataset, env, tmp_path):
              f"--output_dir={tmp_path / 'out'}"], env, tmp_path)
         fetched = {record.path for record in hub.log}
     assert f"/datasets/refstream/lr_av1/resolve/{'b' * 40}/meta/info.json" in fetched
+
+
+def test_pushes_the_policy_with_a_model_card_of_the_streamed_dataset(dataset, env, tmp_path):
+    uploads = tmp_path / "uploads"
+    output = run([sys.executable, str(PROBE), str(tmp_path / "p"), *TINY_ACT,
+                  "--policy.push_to_hub=true", "--policy.repo_id=someone/act",
+                  f"--dataset.root={dataset}", "--dataset.repo_id=local/lr_av1", "--steps=1",
+                  "--num_workers=0", f"--output_dir={tmp_path / 'out'}"],
+                 dict(env, PROBE_UPLOADS=str(uploads)), tmp_path)
+    assert "Model pushed to https://huggingface.co/someone/act" in output
+    card = (uploads / "someone/act/README.md").read_text()
+    assert "local/lr_av1" in card
+    for task in LeRobotDatasetMetadata("local/lr_av1", root=dataset).tasks.index:
+        assert task in card
+    assert (uploads / "someone/act/model.safetensors").is_file()
+
+
+def test_the_model_card_reads_what_lerobots_metadata_gives(dataset):
+    lerobot_meta = LeRobotDatasetMetadata("local/lr_av1", root=dataset)
+    with contextlib.closing(LocalSource(dataset)) as source:
+        ours = card_metadata(load_meta(source), "local/lr_av1")
+    pandas.testing.assert_frame_equal(ours.tasks, lerobot_meta.tasks)
+    assert _build_card_context(None, ours, None, None) == \
+        _build_card_context(None, lerobot_meta, None, None)
 
 
 def test_two_processes_stream_disjoint_episodes_and_end_epochs_together(dataset, env, tmp_path):

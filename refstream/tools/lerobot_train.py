@@ -11,7 +11,9 @@ Use: ``refstream lerobot-train`` (or ``torchrun ... -m refstream.tools.lerobot_t
   episodes);
 * accelerate's ``prepare`` hands a ``StreamingDataset``'s DataLoader back unsplit, each further
   pass the next epoch (SPEC §9.5, ``_Loader``);
-* each checkpoint also holds the data position, which ``--resume=true`` loads.
+* each checkpoint also holds the data position, which ``--resume=true`` loads;
+* ``--policy.push_to_hub=true`` writes the model card from refstream's metadata, shown to LeRobot
+  with its repo id and its tasks as LeRobot's metadata has them (``card_metadata``).
 
 Everything else — policy, processors, optimizer, logging, evaluation, checkpoints — is LeRobot's.
 lerobot is imported only here (the ``lerobot`` extra).
@@ -29,7 +31,9 @@ from pathlib import Path
 from unittest import mock
 
 import accelerate
+import pandas
 from lerobot.datasets import factory
+from lerobot.policies.pretrained import PreTrainedPolicy
 from lerobot.scripts import lerobot_train
 from lerobot.utils.constants import TRAINING_STATE_DIR
 
@@ -39,7 +43,7 @@ from refstream.meta import DatasetMeta, load_meta
 from refstream.roots import open_source
 from refstream.stream import StreamingDataset
 
-__all__ = ["main", "DATA_STATE"]
+__all__ = ["main", "DATA_STATE", "card_metadata"]
 
 DATA_STATE = "refstream_data.json"  # in a checkpoint's training_state/, beside LeRobot's
 
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                              save_checkpoint=run.save_checkpoint), \
             mock.patch.multiple(accelerate.Accelerator, end_training=_end_training,
                                 prepare_data_loader=lambda accelerator, loader, *args, **kwargs:
-                                run.prepare_data_loader(accelerator, loader, *args, **kwargs)):
+                                run.prepare_data_loader(accelerator, loader, *args, **kwargs)), \
+            mock.patch.object(PreTrainedPolicy, "push_model_to_hub", _push_model_to_hub):
         lerobot_train.main()
     return 0
 
@@ -68,6 +73,31 @@ def _end_training(accelerator) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _push_model_to_hub(policy, cfg, *args, dataset_meta=None, **kwargs):
+    """LeRobot's ``push_model_to_hub``, its model card written from :func:`card_metadata`."""
+    if isinstance(dataset_meta, DatasetMeta):
+        dataset_meta = card_metadata(dataset_meta, cfg.dataset.repo_id)
+    return _ORIGINAL_PUSH(policy, cfg, *args, dataset_meta=dataset_meta, **kwargs)
+
+
+def card_metadata(meta: DatasetMeta, repo_id: str) -> _CardMetadata:
+    """``meta`` as LeRobot's model card reads a ``LeRobotDatasetMetadata``: with ``repo_id``,
+    and its tasks a frame indexed by the task strings, in ``task_index`` order."""
+    tasks = pandas.DataFrame({"task_index": range(len(meta.tasks))},
+                             index=pandas.Index(meta.tasks, name="task"))
+    return _CardMetadata(meta, repo_id, tasks)
+
+
+class _CardMetadata:
+    """A ``DatasetMeta`` with LeRobot's ``repo_id`` and ``tasks`` (:func:`card_metadata`)."""
+
+    def __init__(self, meta: DatasetMeta, repo_id: str, tasks: pandas.DataFrame) -> None:
+        self.meta, self.repo_id, self.tasks = meta, repo_id, tasks
+
+    def __getattr__(self, name: str):
+        return getattr(self.meta, name)
 
 
 def dataset_root(repo_id: str, root: str | None, revision: str | None) -> str:
@@ -141,6 +171,7 @@ class _Run:
 _ORIGINAL_PREPARE = accelerate.Accelerator.prepare_data_loader
 _ORIGINAL_SAVE = lerobot_train.save_checkpoint
 _ORIGINAL_END = accelerate.Accelerator.end_training
+_ORIGINAL_PUSH = PreTrainedPolicy.push_model_to_hub
 
 
 class _Loader:
