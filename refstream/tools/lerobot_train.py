@@ -3,7 +3,7 @@
 
 Use: ``refstream lerobot-train`` (or ``torchrun ... -m refstream.tools.lerobot_train``) with
 ``lerobot-train``'s own flags, as the README's "Training with LeRobot" shows. It runs LeRobot's
-``train()`` unchanged and replaces, for the run only, four things around it:
+``train()`` unchanged and replaces, for the run only, five things around it:
 
 * LeRobot's dataset factory makes ``StreamingDataset``\\ s, with the run's seed, batch size and
   worker count, in a streaming run: the trainer's DataLoader has no sampler (``_Run``);
