@@ -1,11 +1,12 @@
 """Which samples an episode needs, the one byte span that holds them, the frame serving each
 request, and the mini-MP4 that makes those bytes decodable (SPEC §7, §10.8), without I/O, on a
 :class:`refstream.mp4.SampleIndex`; ``meta`` is a :class:`refstream.meta.DatasetMeta`, which it
-does not import. Calls, in the order a loader makes them::
+does not import. ``episode_spans``, ``select_span`` and ``synthesized_size`` are the one-episode
+forms. Calls, in the order a loader makes them::
 
-    spans = episode_spans(meta, episode, indexes, tolerance_s)   # camera -> (index, Span)
-    size = synthesized_size(index, span)         # exact mini-MP4 bytes, before any fetch
-    pts = serving_pts(meta, episode, spans, tolerance_s, timestamps_s)  # camera -> pts per row
+    spans, sizes = nominal_spans(meta, episodes, indexes, tolerance_s)  # the episodes of a
+    # file at once: episode -> camera -> (index, Span), and episode -> exact mini-MP4 bytes
+    pts = serving_pts(meta, episode, spans[episode], tolerance_s, timestamps_s)  # camera -> pts
     mp4 = synthesize(index, span, payload)       # payload: the span's bytes of the source
 """
 
@@ -13,24 +14,28 @@ from __future__ import annotations
 
 import math
 import struct
-from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from refstream.errors import FrameNotFound, MalformedDataset, TableError, UsageError
+from refstream.errors import (
+    FrameNotFound,
+    MalformedDataset,
+    RefstreamError,
+    TableError,
+    UsageError,
+)
 from refstream.mp4 import SampleIndex
 from refstream.windows import check_tolerance
 
 __all__ = ["Matches", "serving_samples", "served", "select_frames", "check_frame_rate", "Span",
-           "select_span", "span_of", "episode_spans", "serving_pts",
-           "synthesized_size", "synthesize_header", "synthesize", "DEFAULT_FTYP"]
+           "select_span", "select_spans", "span_of", "spans_of", "episode_spans", "nominal_spans",
+           "serving_pts",
+           "synthesized_size", "synthesized_sizes", "synthesize_header", "synthesize",
+           "DEFAULT_FTYP"]
 
 UINT32_MAX = 0xFFFFFFFF
-# Keyframes are looked for this many samples at a time (a GOP or more), so that finding one
-# touches a few pages of the mapped index instead of a whole-file array per file.
-SCAN_SAMPLES = 256
 # ftyp for a source without one: major 'isom', minor version 0x200, brands isom iso2 mp41.
 DEFAULT_FTYP = struct.pack(">I4s4sI4s4s4s", 28, b"ftyp", b"isom", 0x200, b"isom", b"iso2", b"mp41")
 IDENTITY_MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
@@ -78,9 +83,11 @@ def serving_samples(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray,
 
 
 def served(pts_ticks: np.ndarray, timescale: int, times_s: np.ndarray, tolerance_s: float,
-           label: str) -> Matches:
-    """:func:`serving_samples`, or ``FrameNotFound`` naming ``label`` if a time is unserved."""
-    matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
+           label: str, matches: Matches | None = None) -> Matches:
+    """:func:`serving_samples` (its ``matches`` if given already), or ``FrameNotFound`` naming
+    ``label`` if a time is unserved."""
+    if matches is None:
+        matches = serving_samples(pts_ticks, timescale, times_s, tolerance_s)
     unserved = matches.unserved(len(times_s))
     if len(unserved):
         raise FrameNotFound(f"{label}: {len(unserved)} of {len(times_s)} request times have no "
@@ -128,70 +135,143 @@ class Span:
 def select_span(index: SampleIndex, from_s: float, to_s: float, tolerance_s: float,
                 request_times_s: np.ndarray | None = None) -> Span:
     """The minimal span serving every time the episode can request (SPEC §7.1)."""
+    if request_times_s is not None:
+        times_s = np.asarray(request_times_s, np.float64)
+        return select_spans(index, [from_s], [to_s], times_s, [len(times_s)], tolerance_s)[0]
     tolerance_s = check_tolerance(tolerance_s)
-    if not to_s >= from_s:
-        raise UsageError(f"{index.path}: a span's to_s={to_s} s is before its from_s={from_s} s")
-    times_s = None if request_times_s is None else np.asarray(request_times_s, np.float64)
-    window = _window(index, [from_s, to_s] if times_s is None else times_s, tolerance_s)
-    pts = index.pts[window].astype(np.int64)
-    if times_s is None:
-        pts_s = pts / index.timescale
-        needed = np.flatnonzero((pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s))
-    else:
-        needed = served(pts, index.timescale, times_s, tolerance_s, index.path).sample
+    _check_order(index, from_s, to_s)
+    bounds = np.array([[from_s, to_s]], np.float64)
+    bounds[~np.isfinite(bounds)] = np.nan  # the window is around the finite ones
+    low, high = np.fmin.reduce(bounds, axis=1), np.fmax.reduce(bounds, axis=1)
+    start, stop = (int(side[0]) for side in _windows(index, low, high, tolerance_s))
+    pts_s = index.pts[start:stop].astype(np.int64) / index.timescale
+    needed = np.flatnonzero((pts_s >= from_s - tolerance_s) & (pts_s < to_s + tolerance_s))
     if not len(needed):
         raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
                             f" [{from_s}, {to_s}) s")
-    first_needed = window.start + int(needed.min())
-    last_needed = window.start + int(needed.max())
-    start = _keyframe_before(index, first_needed, int(pts[needed].min()))
-    if index.reordered:  # B-frames: the span runs to the end of the last needed GOP (§7.1)
-        return span_of(index, start, _keyframe_from(index, last_needed + 1) - 1)
-    return span_of(index, start, last_needed)
+    first_pts = index.pts[start + needed].astype(np.int64).min(keepdims=True)
+    return _spans(index, start + needed[:1], start + needed[-1:], first_pts)[0]
 
 
-def _window(index: SampleIndex, times_s, tolerance_s: float) -> slice:
-    """The decode-order samples whose pts can lie within the tolerance (and two ticks) of times."""
-    finite = np.asarray(times_s, np.float64)
-    finite = finite[np.isfinite(finite)]
-    if not len(finite):
-        return slice(0, 0)
+def select_spans(index: SampleIndex, from_s: Sequence[float], to_s: Sequence[float],
+                 times_s: np.ndarray, lengths: Sequence[int], tolerance_s: float) -> list[Span]:
+    """:func:`select_span` of episodes in one file at once: episode ``i`` spans ``from_s[i]`` to
+    ``to_s[i]`` and requests the next ``lengths[i]`` of ``times_s``; the error is the first
+    episode's that has one, as one call per episode would raise."""
+    tolerance_s = check_tolerance(tolerance_s)
+    lengths = np.asarray(lengths, np.int64)
+    times_s = np.asarray(times_s, np.float64)
+    if not len(lengths):
+        return []
+    # Each episode's window of samples, all of them side by side (windows may overlap).
+    finite, firsts = np.where(np.isfinite(times_s), times_s, np.nan), np.cumsum(lengths) - lengths
+    low, high, some = np.full(len(lengths), np.nan), np.full(len(lengths), np.nan), lengths > 0
+    low[some] = np.fmin.reduceat(finite, firsts[some])
+    high[some] = np.fmax.reduceat(finite, firsts[some])
+    start, stop = _windows(index, low, high, tolerance_s)
+    counts = stop - start
+    positions = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    pts = index.pts[positions].astype(np.int64)
+    matches = serving_samples(pts, index.timescale, times_s, tolerance_s)
+    if len(lengths) > 1 and (len(matches.unserved(len(times_s))) or not lengths.all()
+                             or not np.all(np.asarray(to_s) >= np.asarray(from_s))):
+        for i, first in enumerate(firsts):  # some episode fails: find which, one at a time
+            select_spans(index, from_s[i:i + 1], to_s[i:i + 1],
+                         times_s[first:first + lengths[i]], lengths[i:i + 1], tolerance_s)
+    if len(lengths) == 1:
+        _check_order(index, from_s[0], to_s[0])
+        served(pts, index.timescale, times_s, tolerance_s, index.path, matches)
+        if not len(matches.sample):
+            raise FrameNotFound(f"{index.path}: no frame within {tolerance_s} s of"
+                                f" [{from_s[0]}, {to_s[0]}) s")
+    owner = np.repeat(np.arange(len(lengths)), lengths)[matches.request]
+    by_episode = np.searchsorted(owner, np.arange(len(lengths)))
+    samples = positions[matches.sample]
+    return _spans(index, np.minimum.reduceat(samples, by_episode),
+                  np.maximum.reduceat(samples, by_episode),
+                  np.minimum.reduceat(pts[matches.sample], by_episode))
+
+
+def _windows(index: SampleIndex, low_s: np.ndarray, high_s: np.ndarray, tolerance_s: float
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of the decode-order samples whose pts can lie within the tolerance (and two
+    ticks) of times from ``low_s[i]`` to ``high_s[i]`` (NaN: no time, an empty window)."""
     clamp = 2.0**62  # seconds × timescale may overflow: clamp to ticks no file reaches
-    low_ticks = max(-clamp, min(clamp, (float(finite.min()) - tolerance_s) * index.timescale))
-    high_ticks = max(-clamp, min(clamp, (float(finite.max()) + tolerance_s) * index.timescale))
     low, high = index.composition_range  # dts rises, and pts − dts stays in this range
-    # bisect reads a few elements; np.searchsorted copies a narrow or unaligned array (as the
-    # mapped records hold them) to compare it with a Python int, on every call.
-    return slice(bisect_left(index.dts, math.floor(low_ticks) - 2 - high),
-                 bisect_right(index.dts, math.ceil(high_ticks) + 2 - low))
+    some = ~np.isnan(low_s)
+    low_ticks = np.floor(np.clip((low_s[some] - tolerance_s) * index.timescale, -clamp, clamp))
+    high_ticks = np.ceil(np.clip((high_s[some] + tolerance_s) * index.timescale, -clamp, clamp))
+    start, stop = np.zeros(len(low_s), np.int64), np.zeros(len(low_s), np.int64)
+    start[some] = np.searchsorted(index.dts, low_ticks.astype(np.int64) - 2 - high)
+    stop[some] = np.searchsorted(index.dts, high_ticks.astype(np.int64) + 2 - low, "right")
+    return start, stop
 
 
-def _keyframe_before(index: SampleIndex, sample: int, pts: int) -> int:
-    """The last keyframe at or before ``sample`` that presents at or before ``pts``."""
-    for stop in range(sample + 1, 0, -SCAN_SAMPLES):
-        start = max(0, stop - SCAN_SAMPLES)
-        found = np.flatnonzero(index.keyframe[start:stop] & (index.pts[start:stop] <= pts))
-        if len(found):
-            return start + int(found[-1])
-    raise FrameNotFound(f"{index.path}: no keyframe at or before sample {sample} presents at"
-                        f" or before pts {pts}")
+def _check_order(index: SampleIndex, from_s: float, to_s: float) -> None:
+    if not to_s >= from_s:
+        raise UsageError(f"{index.path}: a span's to_s={to_s} s is before its from_s={from_s} s")
 
 
-def _keyframe_from(index: SampleIndex, sample: int) -> int:
-    """The first keyframe at or after ``sample``; the sample count when there is none."""
-    for start in range(sample, len(index), SCAN_SAMPLES):
-        found = np.flatnonzero(index.keyframe[start : start + SCAN_SAMPLES])
-        if len(found):
-            return start + int(found[0])
-    return len(index)
+def _spans(index: SampleIndex, first_needed: np.ndarray, last_needed: np.ndarray,
+           first_pts: np.ndarray) -> list[Span]:
+    """The spans from the last keyframe at or before each first needed sample that presents at
+    or before its first needed pts, to its last needed sample (to the end of that sample's GOP
+    when B-frames reorder, SPEC §7.1)."""
+    keyframes = np.flatnonzero(index.keyframe)
+    at = np.searchsorted(keyframes, first_needed, side="right") - 1
+    while True:  # step back past keyframes that present too late (open GOPs)
+        late = at >= 0
+        late[late] = index.pts[keyframes[at[late]]] > first_pts[late]
+        if not late.any():
+            break
+        at[late] -= 1
+    if (at < 0).any():
+        i = int(np.argmax(at < 0))
+        raise FrameNotFound(f"{index.path}: no keyframe at or before sample {first_needed[i]} "
+                            f"presents at or before pts {first_pts[i]}")
+    lo, hi = keyframes[at], np.asarray(last_needed, np.int64)
+    if index.reordered:
+        after = np.searchsorted(keyframes, hi + 1)
+        hi = np.append(keyframes, len(index))[after] - 1
+    return spans_of(index, lo, hi)
 
 
 def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
     """The span of decode-order samples ``sample_lo..sample_hi``: their one byte range."""
-    samples = slice(sample_lo, sample_hi + 1)
-    offset = index.offset[samples].astype(np.int64)
-    begin, end = int(offset.min()), int((offset + index.size[samples]).max())
-    return Span(sample_lo, sample_hi, begin, end - begin, int(index.pts[sample_lo]))
+    return spans_of(index, np.array([sample_lo]), np.array([sample_hi]))[0]
+
+
+def spans_of(index: SampleIndex, lo: np.ndarray, hi: np.ndarray) -> list[Span]:
+    """:func:`span_of` of each ``lo[i]..hi[i]``."""
+    part, first, last = _part(index, lo, hi, ("offset", "size", "pts"))
+    begin = _reduce_ranges(np.minimum, part["offset"], first, last)
+    end = _reduce_ranges(np.maximum, part["offset"] + part["size"], first, last)
+    return [Span(*values) for values in zip(np.asarray(lo).tolist(), np.asarray(hi).tolist(),
+                                            begin.tolist(), (end - begin).tolist(),
+                                            part["pts"][first].tolist(), strict=True)]
+
+
+def _part(index: SampleIndex, lo: np.ndarray, hi: np.ndarray, names: Sequence[str]
+          ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The index's arrays ``names`` (int64; the keyframe flags as bool) over the samples of each
+    range ``lo[i]..hi[i]``, the ranges side by side and then one more sample (no keyframe), and
+    where each range lies in them."""
+    counts = np.asarray(hi, np.int64) - lo + 1
+    first = np.cumsum(counts) - counts
+    samples = np.repeat(lo - first, counts) + np.arange(counts.sum())
+    samples = np.append(samples, samples[-1])  # the one more: a range's end + 1 is a position
+    part = {name: getattr(index, name)[samples] for name in names}
+    for name in names:
+        part[name] = part[name].astype(bool if name == "keyframe" else np.int64)
+    if "keyframe" in part:
+        part["keyframe"][-1] = False
+    return part, first, first + counts - 1
+
+
+def _reduce_ranges(ufunc: np.ufunc, values: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                   ) -> np.ndarray:
+    """``ufunc.reduce(values[lo[i]:hi[i] + 1])`` for each i (``hi[i] + 1`` < ``len(values)``)."""
+    return ufunc.reduceat(values, np.column_stack([lo, hi + 1]).ravel())[::2]
 
 
 def _camera_span(meta, episode: int, camera: str, index: SampleIndex, tolerance_s: float,
@@ -209,13 +289,53 @@ def episode_spans(meta, episode: int, indexes: Mapping[str, SampleIndex],
     """camera -> (its file's index in ``indexes``, by relpath; its span) for ``cameras`` (default:
     all) at the times of ``timestamps_s`` (default: the nominal ones, SPEC §9.2)."""
     if timestamps_s is None:
-        timestamps_s = (np.arange(meta.frames(episode)) / meta.fps).astype(np.float32)
+        timestamps_s = _nominal_s(meta.fps, [meta.frames(episode)])
     spans = {}
     for camera in meta.camera_keys if cameras is None else cameras:
         index = indexes[meta.video_relpath(episode, camera)]
         spans[camera] = index, _camera_span(meta, episode, camera, index, tolerance_s,
                                             timestamps_s)[1]
     return spans
+
+
+def nominal_spans(meta, episodes: Sequence[int], indexes: Mapping[str, SampleIndex],
+                  tolerance_s: float) -> tuple[dict[int, dict], dict[int, int]]:
+    """:func:`episode_spans` of each episode at its nominal times, and its exact byte size (its
+    mini-MP4s' sizes summed), the episodes of each video file at once; the error is the first
+    episode's, as one call per episode would raise."""
+    spans, sizes = {e: {} for e in episodes}, dict.fromkeys(episodes, 0)
+    if not spans:
+        return spans, sizes
+    try:
+        rows = np.array([meta.row(e) for e in episodes], np.int64).reshape(-1)
+        for camera in meta.camera_keys:
+            files = np.stack([meta.video_chunk[camera][rows], meta.video_file[camera][rows]], 1)
+            group = np.unique(files, axis=0, return_inverse=True)[1].reshape(-1)
+            order = np.argsort(group, kind="stable")
+            for members in np.split(order, np.cumsum(np.bincount(group))[:-1]):
+                index = indexes[meta.video_relpath(episodes[members[0]], camera)]
+                from_s = meta.video_from_s[camera][rows[members]]
+                counts = meta.length[rows[members]]
+                times_s = np.repeat(from_s, counts) + _nominal_s(meta.fps, counts)
+                found = select_spans(index, from_s, meta.video_to_s[camera][rows[members]],
+                                     times_s, counts, tolerance_s)
+                for member, span, size in zip(members.tolist(), found,
+                                              synthesized_sizes(index, found).tolist(),
+                                              strict=True):
+                    spans[episodes[member]][camera] = index, span
+                    sizes[episodes[member]] += size
+    except RefstreamError:
+        for episode in episodes:  # which episode fails first, as one at a time
+            episode_spans(meta, episode, indexes, tolerance_s)
+        raise
+    return spans, sizes
+
+
+def _nominal_s(fps: float, counts: Sequence[int]) -> np.ndarray:
+    """Episodes' nominal request times, side by side: each row / fps, in float32 (SPEC §9.2)."""
+    counts = np.asarray(counts, np.int64)
+    rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (rows / fps).astype(np.float32)
 
 
 def serving_pts(meta, episode: int, planned: Mapping[str, tuple[SampleIndex, Span]],
@@ -259,22 +379,12 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _layout(index: SampleIndex, span: Span) -> _Layout:
-    """The layout of ``span``; UsageError for a span that is not one of ``index``."""
-    lo, hi = span.sample_lo, span.sample_hi
-    if not (0 <= lo <= hi < len(index)) or not index.keyframe[lo]:
-        raise UsageError(f"{index.path}: span samples [{lo}, {hi}] are not a range of"
-                         f" 0..{len(index) - 1} starting at a keyframe")
-    samples = slice(lo, hi + 1)
+    """The layout of ``span``, one that :func:`_geometry` accepted."""
+    samples = slice(span.sample_lo, span.sample_hi + 1)
     # The index's arrays may be narrow views (refstream.sidecar): widen the span's slice.
     dts, pts, durations, sizes = (getattr(index, name)[samples].astype(np.int64)
                                   for name in ("dts", "pts", "duration", "size"))
     relative = index.offset[samples].astype(np.int64) - span.byte_offset
-    if relative.min() < 0 or (relative + sizes).max() > span.byte_length:
-        raise UsageError(f"{index.path}: samples [{lo}, {hi}] are not inside bytes"
-                         f" [{span.byte_offset}, {span.byte_offset + span.byte_length})")
-    if span.start_pts != index.pts[lo]:
-        raise UsageError(f"{index.path}: span start_pts {span.start_pts} is not the pts"
-                         f" {index.pts[lo]} of sample {lo}")
     composition = pts - dts
     composition += max(0, -int(composition.min()))
     presentation = dts - dts[0] + composition
@@ -288,24 +398,82 @@ def _layout(index: SampleIndex, span: Span) -> _Layout:
                    edit_end - media_time)
 
 
-def _geometry(index: SampleIndex, span: Span, layout: _Layout) -> tuple[int, int, int]:
-    """(chunk offset width 4 or 8, bytes before the payload, mdat header size), by SPEC §7.2."""
-    samples = len(layout.sizes)
-    moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * len(_runs(layout.durations)[0]) + 4 * samples
-    if layout.composition.any():
-        moov += 16 + 8 * len(_runs(layout.composition)[0])
-    if len(layout.sync) < samples:
-        moov += 16 + 4 * len(layout.sync)
-    mdat_header = 16 if span.byte_length + 8 > UINT32_MAX else 8
+def _geometry(index: SampleIndex, spans: Sequence[Span]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of each span: (chunk offset width 4 or 8, bytes before the payload, mdat header size), by
+    SPEC §7.2's arithmetic; UsageError for a span that is not one of ``index``."""
+    lo, hi, byte_offset, byte_length, start_pts = np.array(
+        [(s.sample_lo, s.sample_hi, s.byte_offset, s.byte_length, s.start_pts) for s in spans],
+        np.int64).reshape(-1, 5).T
+    part, lo, hi = _check_spans(index, lo, hi, byte_offset, byte_length, start_pts)
+    samples = hi - lo + 1
+    moov = FIXED_MOOV_BYTES + len(index.stsd) + 8 * _run_counts(part["duration"], lo, hi)
+    moov += 4 * samples
+    composition = part["pts"] - part["dts"]
+    shift = np.maximum(0, -_reduce_ranges(np.minimum, composition, lo, hi))
+    offsets = _reduce_ranges(np.maximum, composition, lo, hi) + shift > 0  # else no ctts
+    moov += np.where(offsets, 16 + 8 * _run_counts(composition, lo, hi), 0)
+    sync = _sync_counts(part, lo, hi)
+    moov += np.where(sync < samples, 16 + 4 * sync, 0)  # else no stss
+    mdat_header = np.where(byte_length + 8 > UINT32_MAX, 16, 8)
     before_payload = len(index.ftyp or DEFAULT_FTYP) + moov + 4 * samples + mdat_header
     # co64 only makes the header longer, so one switch settles the width.
-    width = 8 if before_payload + int(layout.relative.max()) > UINT32_MAX else 4
+    last = _reduce_ranges(np.maximum, part["offset"], lo, hi) - byte_offset
+    width = np.where(before_payload + last > UINT32_MAX, 8, 4)
     return width, before_payload + (width - 4) * samples, mdat_header  # counted 4-byte offsets
+
+
+def _check_spans(index: SampleIndex, lo: np.ndarray, hi: np.ndarray, byte_offset: np.ndarray,
+                 byte_length: np.ndarray, start_pts: np.ndarray
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """UsageError naming the first span that is not one of ``index``; else its :func:`_part`."""
+    bad = ~((lo >= 0) & (lo <= hi) & (hi < len(index)))
+    bad[~bad] = ~index.keyframe[lo[~bad]]
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise UsageError(f"{index.path}: span samples [{lo[i]}, {hi[i]}] are not a range of"
+                         f" 0..{len(index) - 1} starting at a keyframe")
+    part, first, last = _part(index, lo, hi, ("dts", "pts", "duration", "size", "offset",
+                                              "keyframe"))
+    begin = _reduce_ranges(np.minimum, part["offset"], first, last)
+    end = _reduce_ranges(np.maximum, part["offset"] + part["size"], first, last)
+    if (bad := (begin < byte_offset) | (end - byte_offset > byte_length)).any():
+        i = int(np.argmax(bad))
+        raise UsageError(f"{index.path}: samples [{lo[i]}, {hi[i]}] are not inside bytes"
+                         f" [{byte_offset[i]}, {byte_offset[i] + byte_length[i]})")
+    if (bad := part["pts"][first] != start_pts).any():
+        i = int(np.argmax(bad))
+        raise UsageError(f"{index.path}: span start_pts {start_pts[i]} is not the pts"
+                         f" {index.pts[lo[i]]} of sample {lo[i]}")
+    return part, first, last
+
+
+def _run_counts(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The runs of equal consecutive values (one stts or ctts entry each) in each range."""
+    changes = np.append(0, np.cumsum(values[1:] != values[:-1]))
+    return changes[hi] - changes[lo] + 1
+
+
+def _sync_counts(part: dict, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The sync samples (stss) of each range: its first keyframe, and each other keyframe that no
+    later sample of its GOP in the range presents before."""
+    keyframes, pts = np.flatnonzero(part["keyframe"]), part["pts"]
+    clean = np.minimum.reduceat(pts, keyframes) >= pts[keyframes]  # whole GOPs
+    cleans_before = np.append(0, np.cumsum(clean))
+    first = np.searchsorted(keyframes, lo)
+    last = np.searchsorted(keyframes, hi, side="right") - 1
+    tail = _reduce_ranges(np.minimum, pts, keyframes[last], hi) >= pts[keyframes[last]]
+    return 1 + np.where(last > first, cleans_before[last] - cleans_before[first + 1] + tail, 0)
+
+
+def synthesized_sizes(index: SampleIndex, spans: Sequence[Span]) -> np.ndarray:
+    """``len(synthesize(index, span, payload))`` of each span (int64), from the index alone."""
+    return _geometry(index, spans)[1] + [span.byte_length for span in spans]
 
 
 def synthesized_size(index: SampleIndex, span: Span) -> int:
     """``len(synthesize(index, span, payload))``, computed from the index alone."""
-    return _geometry(index, span, _layout(index, span))[1] + span.byte_length
+    return int(synthesized_sizes(index, [span])[0])
 
 
 def box(kind: bytes, *parts: bytes) -> bytes:
@@ -325,8 +493,8 @@ def table_box(kind: bytes, dtype: str, *columns: np.ndarray) -> bytes:
 
 def synthesize_header(index: SampleIndex, span: Span) -> bytes:
     """``ftyp | moov | mdat header``: the mini-MP4 up to where the payload starts."""
+    width, payload_at, mdat_header = (int(value[0]) for value in _geometry(index, [span]))
     layout = _layout(index, span)
-    width, payload_at, mdat_header = _geometry(index, span, layout)
     ftyp = index.ftyp or DEFAULT_FTYP
     timescale, duration = index.timescale, layout.edit_duration
 

@@ -154,10 +154,7 @@ def plan_spans(config: WorkerConfig, episodes: Sequence[int],
                index: Mapping[str, SampleIndex]) -> tuple[dict[int, dict], dict[int, int]]:
     """Each episode's spans (camera -> (index, span)) at its nominal request times, and its
     exact byte size (SPEC §9.2); ``index`` maps a video relpath to its sample index."""
-    spans = {e: synth.episode_spans(config.meta, e, index, config.tolerance_s)
-             for e in episodes}
-    return spans, {e: sum(synth.synthesized_size(*pair) for pair in spans[e].values())
-                   for e in episodes}
+    return synth.nominal_spans(config.meta, episodes, index, config.tolerance_s)
 
 
 class WorkerStream:

@@ -23,12 +23,15 @@ from refstream.mp4 import SampleIndex, parse_index
 from refstream.synth import (
     Span,
     episode_spans,
+    nominal_spans,
     select_span,
+    select_spans,
     serving_pts,
     serving_samples,
     synthesize,
     synthesize_header,
     synthesized_size,
+    synthesized_sizes,
 )
 from refstream.tools.adapters import answer
 
@@ -178,6 +181,95 @@ def test_spans_of_narrow_mapped_indexes_follow_the_rule(indexes, data):
     assert (span.sample_lo, span.sample_hi) == expected
     assert span == select_span(index, min(times), max(times), tol, np.array(times))
     assert synthesized_size(mapped, span) == synthesized_size(index, span)
+
+
+@settings(max_examples=300, deadline=None)
+@given(indexes=mapped_indexes(), data=st.data())
+def test_the_spans_of_several_episodes_at_once_are_each_ones_own(indexes, data):
+    """select_spans of episodes in one file: each episode's select_span, or the error one call
+    per episode raises first (unserved, empty, out of order, no keyframe early enough)."""
+    mapped, index = indexes
+    tol = data.draw(st.sampled_from([0.0, 1e-4, 0.02, 1.0]))
+    episodes = data.draw(st.lists(st.lists(st.integers(0, len(index) - 1), max_size=5),
+                                  min_size=1, max_size=6))
+    jitter = data.draw(st.sampled_from([0.0, tol / 2, tol * 1.5, -tol]))
+    times = [[index.pts[i] / index.timescale + jitter for i in picks] for picks in episodes]
+    from_s = [min(t, default=0.0) for t in times]
+    to_s = [max(t, default=0.0) - data.draw(st.sampled_from([0.0, 0.0, 1.0])) for t in times]
+    expected = []
+    try:
+        for a, b, t in zip(from_s, to_s, times, strict=True):
+            expected.append(select_span(index, a, b, tol, np.array(t, np.float64)))
+    except (FrameNotFound, UsageError) as exc:
+        expected = exc
+    flat = np.array([t for each in times for t in each], np.float64)
+    lengths = [len(t) for t in times]
+    if isinstance(expected, Exception):
+        with pytest.raises(type(expected)) as caught:
+            select_spans(mapped, from_s, to_s, flat, lengths, tol)
+        assert str(caught.value) == str(expected)
+        return
+    assert select_spans(mapped, from_s, to_s, flat, lengths, tol) == expected
+    assert synthesized_sizes(mapped, expected).tolist() == [synthesized_size(index, span)
+                                                            for span in expected]
+
+
+def files_of_episodes(names: list[str], seed: int) -> tuple[SimpleNamespace, dict]:
+    """Metadata of episodes cut at random from each of ``names`` (one video file each, shared by
+    two cameras: the second's episodes start a frame later), and the files' indexes."""
+    rng = np.random.default_rng(seed)
+    indexes, lengths, from_s, files = {}, [], [], []
+    for file, name in enumerate(names):
+        index = indexes[f"videos/{file}.mp4"] = source(name)[1]
+        presented = np.sort(index.pts) / index.timescale
+        fps = round(1 / float(np.median(np.diff(presented))))
+        regular = np.abs(np.diff(presented) - 1 / fps) < 1e-6  # the next frame 1 / fps later
+        first = 0
+        while first + 2 < len(presented):
+            length = int(min(rng.integers(1, 12), len(presented) - first - 1))
+            if regular[first:first + length].all():  # a frame a row, and one more for camera b
+                lengths.append(length)
+                from_s.append(float(presented[first]))
+                files.append(file)
+            first += length
+    from_s, files, lengths = np.array(from_s), np.array(files), np.array(lengths)
+    return SimpleNamespace(
+        fps=fps, camera_keys=["a", "b"], length=lengths, row=lambda e: e,
+        frames=lambda e: int(lengths[e]),
+        video_relpath=lambda e, camera: f"videos/{files[e]}.mp4",
+        video_chunk={"a": 0 * files, "b": 0 * files}, video_file={"a": files, "b": files},
+        video_from_s={"a": from_s, "b": from_s + 1 / fps},
+        video_to_s={"a": from_s + lengths / fps, "b": from_s + (lengths + 1) / fps}), indexes
+
+
+@pytest.mark.parametrize("names", [["lerobot_av1", "av1_g30"], ["h264_b", "lerobot_h264"],
+                                   ["h264_opengop", "h264_negcts"], ["h265_b", "av1_g2"]])
+def test_nominal_spans_are_each_episodes_and_their_sizes_the_bytes(names):
+    # Oracle: each episode's own episode_spans, and the length of the mini-MP4s synthesized from
+    # the source's bytes; episodes of several files of real encoders, in a shuffled order.
+    meta, indexes = files_of_episodes(names, seed=len(names[0]))
+    episodes = np.random.default_rng(7).permutation(len(meta.length))[:40].tolist()
+    spans, sizes = nominal_spans(meta, episodes, indexes, 1e-4)
+    assert list(spans) == episodes
+    for episode in episodes:
+        assert spans[episode] == episode_spans(meta, episode, indexes, 1e-4)
+        data = source(names[int(meta.video_file["a"][episode])])[0]
+        assert sizes[episode] == sum(
+            len(synthesize(index, span, data[span.byte_offset:span.byte_offset
+                                             + span.byte_length]))
+            for index, span in spans[episode].values())
+
+
+def test_nominal_spans_raise_what_the_first_failing_episode_raises():
+    # Episodes of the second file come first: its failing one is the first to fail.
+    meta, indexes = files_of_episodes(["lerobot_av1", "lerobot_h264"], seed=1)
+    first, second = (int(np.flatnonzero(meta.video_file["a"] == f)[1]) for f in (0, 1))
+    meta.video_from_s["b"][[first, second]] += 0.5 / meta.fps  # rows between two frames
+    with pytest.raises(FrameNotFound) as expected:
+        episode_spans(meta, second, indexes, 1e-4)
+    with pytest.raises(FrameNotFound) as caught:
+        nominal_spans(meta, [0, second, first], indexes, 1e-4)
+    assert str(caught.value) == str(expected.value)
 
 
 @pytest.mark.parametrize("name", ["lerobot_av1", "lerobot_h264"])
