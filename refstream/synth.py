@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -201,9 +202,16 @@ def _windows(index: SampleIndex, low_s: np.ndarray, high_s: np.ndarray, toleranc
     some = ~np.isnan(low_s)
     low_ticks = np.floor(np.clip((low_s[some] - tolerance_s) * index.timescale, -clamp, clamp))
     high_ticks = np.ceil(np.clip((high_s[some] + tolerance_s) * index.timescale, -clamp, clamp))
+    firsts, lasts = low_ticks.astype(np.int64) - 2 - high, high_ticks.astype(np.int64) + 2 - low
     start, stop = np.zeros(len(low_s), np.int64), np.zeros(len(low_s), np.int64)
-    start[some] = np.searchsorted(index.dts, low_ticks.astype(np.int64) - 2 - high)
-    stop[some] = np.searchsorted(index.dts, high_ticks.astype(np.int64) + 2 - low, "right")
+    if some.any():
+        # np.searchsorted copies a narrow or unaligned array (as mapped records hold them) to
+        # compare it: it searches only between the outermost answers, which bisect finds
+        # reading a few elements.
+        begin = bisect_left(index.dts, int(firsts.min()))
+        dts = index.dts[begin:bisect_right(index.dts, int(lasts.max()))]
+        start[some] = begin + np.searchsorted(dts, firsts)
+        stop[some] = begin + np.searchsorted(dts, lasts, "right")
     return start, stop
 
 
@@ -244,8 +252,7 @@ def span_of(index: SampleIndex, sample_lo: int, sample_hi: int) -> Span:
 def spans_of(index: SampleIndex, lo: np.ndarray, hi: np.ndarray) -> list[Span]:
     """:func:`span_of` of each ``lo[i]..hi[i]``."""
     part, first, last = _part(index, lo, hi, ("offset", "size", "pts"))
-    begin = _reduce_ranges(np.minimum, part["offset"], first, last)
-    end = _reduce_ranges(np.maximum, part["offset"] + part["size"], first, last)
+    begin, end = _byte_ranges(part, first, last)
     return [Span(*values) for values in zip(np.asarray(lo).tolist(), np.asarray(hi).tolist(),
                                             begin.tolist(), (end - begin).tolist(),
                                             part["pts"][first].tolist(), strict=True)]
@@ -260,12 +267,18 @@ def _part(index: SampleIndex, lo: np.ndarray, hi: np.ndarray, names: Sequence[st
     first = np.cumsum(counts) - counts
     samples = np.repeat(lo - first, counts) + np.arange(counts.sum())
     samples = np.append(samples, samples[-1])  # the one more: a range's end + 1 is a position
-    part = {name: getattr(index, name)[samples] for name in names}
-    for name in names:
-        part[name] = part[name].astype(bool if name == "keyframe" else np.int64)
+    part = {name: getattr(index, name)[samples].astype(bool if name == "keyframe" else np.int64)
+            for name in names}
     if "keyframe" in part:
         part["keyframe"][-1] = False
     return part, first, first + counts - 1
+
+
+def _byte_ranges(part: dict[str, np.ndarray], first: np.ndarray, last: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(begin, end) of the bytes that hold each range of :func:`_part`'s samples."""
+    return (_reduce_ranges(np.minimum, part["offset"], first, last),
+            _reduce_ranges(np.maximum, part["offset"] + part["size"], first, last))
 
 
 def _reduce_ranges(ufunc: np.ufunc, values: np.ndarray, lo: np.ndarray, hi: np.ndarray
@@ -435,8 +448,7 @@ def _check_spans(index: SampleIndex, lo: np.ndarray, hi: np.ndarray, byte_offset
                          f" 0..{len(index) - 1} starting at a keyframe")
     part, first, last = _part(index, lo, hi, ("dts", "pts", "duration", "size", "offset",
                                               "keyframe"))
-    begin = _reduce_ranges(np.minimum, part["offset"], first, last)
-    end = _reduce_ranges(np.maximum, part["offset"] + part["size"], first, last)
+    begin, end = _byte_ranges(part, first, last)
     if (bad := (begin < byte_offset) | (end - byte_offset > byte_length)).any():
         i = int(np.argmax(bad))
         raise UsageError(f"{index.path}: samples [{lo[i]}, {hi[i]}] are not inside bytes"
