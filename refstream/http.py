@@ -342,12 +342,14 @@ class HTTPSource(Source):
         with contextlib.closing(response):
             status, headers = response.status_code, response.headers
             if request.absent_ok and self._absent(status, headers):
+                _let_go(response, request.method)
                 return None
             self._refuse(status, headers, request.where)
             decision = judge_response(status, headers, first_last=request.first_last,
                                       suffix=request.suffix, where=request.where,
                                       known_size=self._sizes.get(request.relpath))
             if not isinstance(decision, Accept) or request.method == "HEAD":
+                _let_go(response, request.method)
                 return _Answer(b"", hops) if isinstance(decision, Accept) else decision
             body, broken = self._read_body(response, decision.body_bytes)
         expected, where = decision.body_bytes, request.where
@@ -422,6 +424,7 @@ class HTTPSource(Source):
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:
                 return response, hops
+            _let_go(response, method)
             response.close()
             url = urljoin(url, location)
         raise errors.HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
@@ -437,6 +440,16 @@ class HTTPSource(Source):
         except (requests.RequestException, OSError) as exc:
             return bytes(body), f" (connection failed: {exc})"
         return bytes(body), ""
+
+
+def _let_go(response: requests.Response, method: str) -> None:
+    """Read the unwanted body of an answer (a HEAD's, a redirect's, an error's) when it is short,
+    so that closing the answer keeps its connection for the next request rather than closing it:
+    a new connection costs a handshake, over TLS several round trips."""
+    length = parse_decimal(response.headers.get("Content-Length"))
+    if method == "HEAD" or (length is not None and length <= _CHUNK_BYTES):
+        with contextlib.suppress(requests.RequestException, OSError):
+            response.content  # noqa: B018 - read for its effect: the connection is released
 
 
 def _identity_of(hops: list[requests.Response]) -> str:

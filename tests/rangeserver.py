@@ -238,6 +238,10 @@ class RangeServer:
             return None
         return path.read_bytes()
 
+    @property
+    def connections_accepted(self) -> int:
+        return self._httpd.accepted
+
     def modes_seen(self) -> list[str]:
         with self._lock:
             return [r.mode for r in self.log]
@@ -306,6 +310,7 @@ class _QuietServer(ThreadingHTTPServer):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.connections: list[tuple[socket.socket, threading.Thread]] = []  # with their threads
+        self.accepted = 0  # connections accepted so far
 
     def process_request(self, request, client_address) -> None:
         """Serve the connection on a thread of its own, kept with it for close_connections."""
@@ -313,6 +318,7 @@ class _QuietServer(ThreadingHTTPServer):
                                   args=(request, client_address), daemon=True)
         self.connections = [(r, t) for r, t in self.connections if t.is_alive()]
         self.connections.append((request, thread))
+        self.accepted += 1
         thread.start()
 
     def close_connections(self, timeout_s: float) -> None:
@@ -497,7 +503,7 @@ def _make_handler(server: RangeServer):
             else:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if head:
+            if head or self.command == "HEAD":  # an answer to a HEAD has no body, whatever it is
                 return
             if mode == "short_chunked":
                 self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))

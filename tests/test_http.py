@@ -116,6 +116,26 @@ def test_netrc_credentials_are_never_sent(folder, server, tmp_path, monkeypatch)
     assert [r.authorization for r in server.log] == [False]
 
 
+# --- connections ---------------------------------------------------------------------------------
+
+
+def test_answers_without_a_wanted_body_keep_their_connection(folder):
+    """A HEAD's answer, a redirect, a 404 and a 503 leave their connection open for the next
+    request: over TLS each new one would cost a handshake."""
+    with RangeServer(folder) as target, RangeServer(folder, redirect_to=target) as server:
+        source = HTTPSource(server.url, retry=FAST)
+        server.script("503")
+        assert source.identity("data/blob.bin").startswith("etag:")
+        assert source.size_if_present("data/missing.bin") is None
+        assert source.read_range("data/blob.bin", 10, 20) == blob(folder)[10:30]
+        assert source.read_range("data/blob.bin", 500, 20) == blob(folder)[500:520]
+        assert [(r.method, r.status) for r in server.log] == [
+            ("HEAD", 503), ("HEAD", 302), ("HEAD", 404), ("GET", 302), ("GET", 302)]
+        assert [(r.method, r.status) for r in target.log] == [
+            ("HEAD", 200), ("GET", 206), ("GET", 206)]
+        assert (server.connections_accepted, target.connections_accepted) == (1, 1)
+
+
 # --- roots that are not folders -----------------------------------------------------------------
 
 
