@@ -72,15 +72,18 @@ class StreamingDataset(IterableDataset):
     base URL or ``hf://datasets/OWNER/NAME[@REV]``. ``episode_pool_size`` and
     ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
     ``video_decoder_cache_size`` per rank (SPEC §2.3). ``batch_size``: the DataLoader's, or with
-    ``batched`` the dataset's own (SPEC §9.4, §9.5). ``decode_threads`` decode each group of
-    ``decoded_queue_size`` samples (``batch_size`` when batched). ``sidecar_lock_timeout_s``: the
-    wait for another process building the video index (SPEC §10.6)."""
+    ``batched`` the dataset's own (SPEC §9.4, §9.5). ``decode_threads`` per worker decode each
+    group of ``decoded_queue_size`` samples (``batch_size`` when batched); by default the CPUs
+    shared among the DataLoader's workers, 1 or 2 each (``refstream.worker.decode_threads``).
+    ``sidecar_lock_timeout_s``: the wait for another process building the video index (SPEC
+    §10.6)."""
 
     def __init__(self, root: str | os.PathLike, *, episodes: Sequence[int] | None = None,
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None,
                  tolerance_s: float = 1e-4, seed: int | None = None,
                  sampling_strategy: str = "pool", episode_pool_size: int | None = None,
-                 prefetch_episodes: int = 8, byte_budget_gb: float = 8.0, decode_threads: int = 2,
+                 prefetch_episodes: int = 8, byte_budget_gb: float = 8.0,
+                 decode_threads: int | None = None,
                  decoded_queue_size: int = 8, video_decoder_cache_size: int | None = None,
                  return_uint8: bool = False, image_transforms: Callable | None = None,
                  repeat: bool = False, rank: int | None = None, world_size: int | None = None,

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pickle
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,3 +148,22 @@ def test_the_kept_frame_demand_counts_only_the_anchors_still_to_come(root):
         rows = np.clip(np.add.outer(to_come, window), 0, LENGTHS[episode] - 1).ravel()
         served = videos[camera].serving_pts[rows]
         assert videos[camera].demand == dict(Counter(served.tolist()))
+
+
+@pytest.mark.parametrize(("cpus", "workers", "configured", "threads"), [
+    (2, None, None, 2), (2, 1, None, 2), (2, 2, None, 1), (2, 4, None, 1), (1, None, None, 1),
+    (8, 4, None, 2), (16, 2, None, 2), (2, 2, 3, 3), (16, 1, 1, 1)])
+def test_a_worker_decodes_on_its_share_of_the_cpus_unless_told(root, monkeypatch, cpus, workers,
+                                                               configured, threads):
+    """Without decode_threads, the CPUs this process may use shared among the DataLoader's
+    workers (none: the training process alone decodes), 1 or 2 threads each."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    info = None if workers is None else SimpleNamespace(num_workers=workers)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+    config = _config(root, decode_threads=configured)
+    with contextlib.closing(WorkerStream(config, SHARE, _limits(config))) as stream:
+        assert len(stream.decoders) == threads
+        samples = list(stream.stream(iter([(_planner(stream.byte_sizes,
+                                                     _limits(config).byte_budget), 0, None)]),
+                                     in_worker=False))
+    assert len(samples) == sum(LENGTHS[e] for e in SHARE)

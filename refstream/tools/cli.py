@@ -180,7 +180,9 @@ def add_stream(subparsers) -> None:
                    help="episodes fetched ahead per worker")
     p.add_argument("--byte-budget-gb", type=float, default=8.0,
                    help="GiB of video held per rank, split over the workers")
-    p.add_argument("--decode-threads", type=int, default=2, help="decode threads per worker")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="decode threads per worker (default: the CPUs shared among the workers, "
+                        "1 or 2 each)")
     p.add_argument("--tolerance-s", type=float, default=1e-4,
                    help="how far a video frame may be from a requested time")
     p.add_argument("--uint8", dest="return_uint8", action="store_true",
