@@ -268,7 +268,8 @@ class StreamingDataset(IterableDataset):
         if plan is None:  # an idle worker: the DataLoader goes on with the others
             return
         limits = plan.course.limits
-        with contextlib.closing(WorkerStream(self.config, plan.episodes, limits)) as stream:
+        with contextlib.closing(WorkerStream(self.config, plan.episodes, limits,
+                                             num_workers)) as stream:
             self._check_episode_sizes(plan, stream.byte_sizes)
             yield from stream.stream(plan.runs(stream.byte_sizes), in_worker=info is not None)
 

@@ -1,7 +1,7 @@
 """One DataLoader worker's stream: its share's samples, or ready batches, in planner order
 (SPEC §9.2, §9.3). ``StreamingDataset`` runs, in each worker::
 
-    with contextlib.closing(WorkerStream(config, share, limits)) as worker:  # plans spans
+    with contextlib.closing(WorkerStream(config, share, limits, workers)) as worker:  # plans
         yield from worker.stream(runs, in_worker=True)
 
 ``config`` is made once in the main process and pickled to the workers. A ready :class:`Batch`'s
@@ -161,24 +161,24 @@ def plan_spans(config: WorkerConfig, episodes: Sequence[int],
     return synth.nominal_spans(config.meta, episodes, index, config.tolerance_s)
 
 
-def decode_threads(configured: int | None) -> int:
-    """This worker's decode threads, the yielding one included: ``configured``, else the CPUs
-    this process may use shared among the DataLoader's workers, 1 to MAX_DEFAULT_DECODE_THREADS
-    each. Measured on 2 CPUs (ready batches of 32): one decoding process delivers 11-18% more
-    samples/s with 2 threads than with 1, as PyAV releases the GIL while it decodes; 2 workers
-    deliver about 22% more with 1 thread each than with 2, which contend for the CPUs."""
+def decode_threads(configured: int | None, workers: int) -> int:
+    """A worker's decode threads, the yielding one included: ``configured``, else the CPUs this
+    process may use shared among the DataLoader's ``workers`` (1: the training process alone),
+    1 to MAX_DEFAULT_DECODE_THREADS each. Measured on 2 CPUs (ready batches of 32): one decoding
+    process delivers 11-18% more samples/s with 2 threads than with 1, as PyAV releases the GIL
+    while it decodes; 2 workers deliver about 22% more with 1 thread each than with 2, which
+    contend for the CPUs."""
     if configured is not None:
         return configured
-    info = torch.utils.data.get_worker_info()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = (cpus or 1) // (1 if info is None else info.num_workers)
-    return max(1, min(MAX_DEFAULT_DECODE_THREADS, share))
+    return max(1, min(MAX_DEFAULT_DECODE_THREADS, (cpus or 1) // workers))
 
 
 class WorkerStream:
     """One worker's resources and its streaming loop (runs in the worker process)."""
 
-    def __init__(self, config: WorkerConfig, share: list[int], limits: shard.WorkerLimits) -> None:
+    def __init__(self, config: WorkerConfig, share: list[int], limits: shard.WorkerLimits,
+                 workers: int = 1) -> None:  # workers: the DataLoader's (1: none)
         self.config, self.meta = config, config.meta
         self.cameras, self.columns = list(self.meta.camera_keys), list(self.meta.parquet_keys)
         self.windows = config.windows
@@ -192,7 +192,7 @@ class WorkerStream:
                             for camera, (index, _) in self.spans[share[0]].items()}
         self.source = open_source(config.root)
         self.footers = Footers()
-        threads = decode_threads(config.decode_threads)  # each with its own decoders
+        threads = decode_threads(config.decode_threads, workers)  # each with its own decoders
         self.decoders = [DecoderCache(max(1, shard.ceil_div(limits.decoder_cache, threads)))
                          for _ in range(threads)]
         self.fetch_pool = ThreadPoolExecutor(  # threads start when used

@@ -14,7 +14,6 @@ import os
 import pickle
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -158,10 +157,9 @@ def test_a_worker_decodes_on_its_share_of_the_cpus_unless_told(root, monkeypatch
     """Without decode_threads, the CPUs this process may use shared among the DataLoader's
     workers (none: the training process alone decodes), 1 or 2 threads each."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
-    info = None if workers is None else SimpleNamespace(num_workers=workers)
-    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
     config = _config(root, decode_threads=configured)
-    with contextlib.closing(WorkerStream(config, SHARE, _limits(config))) as stream:
+    given = {} if workers is None else {"workers": workers}  # none: the training process
+    with contextlib.closing(WorkerStream(config, SHARE, _limits(config), **given)) as stream:
         assert len(stream.decoders) == threads
         samples = list(stream.stream(iter([(_planner(stream.byte_sizes,
                                                      _limits(config).byte_budget), 0, None)]),
