@@ -289,8 +289,6 @@ class WorkerStream:
             self.drained.discard(episode)
             self.budget.release(episode)
             self.budget.forget(episode)
-        for episode in planner.resident:  # admitted, no anchor asked for them yet
-            self._start_fetch(episode, planner)
         self._prefetch(planner)  # after the decode, so the first group waits for no prefetch
 
     def _gather(self, made: _Group, slot: int) -> None:
@@ -357,15 +355,16 @@ class WorkerStream:
         return admitted
 
     def _prefetch(self, planner: Planner) -> None:
-        """Reserve and fetch frontier episodes while they fit without evicting (SPEC §9.3)."""
+        """Reserve and fetch the residents no anchor asked for yet, then frontier episodes, while
+        they fit without evicting (SPEC §9.3): a prefetch never takes a resident's room."""
         frontier = planner.frontier(self.config.prefetch_episodes)
-        for episode in frontier:  # one reserved already is fetched already: it passes
+        for episode in [*planner.resident, *frontier]:  # one reserved already passes
             if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
-                break  # full: keep the frontier's order, retry after the next release
+                break  # full: keep the order, retry after the next release
             self._start_fetch(episode, planner)
         # An admission that must evict drops the least recently used prefetch: touched from the
-        # frontier's far end, that is the one needed last.
-        self.budget.touch(reversed(frontier))
+        # frontier's far end, that is the one needed last; the residents' are needed first.
+        self.budget.touch([*reversed(frontier), *planner.resident])
 
     def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
         """Fetch ``episode`` for its anchors ``drawn`` and to come, once per reservation."""

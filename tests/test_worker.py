@@ -165,3 +165,33 @@ def test_a_worker_decodes_on_its_share_of_the_cpus_unless_told(root, monkeypatch
                                                      _limits(config).byte_budget), 0, None)]),
                                      in_worker=False))
     assert len(samples) == sum(LENGTHS[e] for e in SHARE)
+
+
+
+@pytest.mark.parametrize("room", [1.0, 1.5, 2.5])
+def test_a_prefetch_never_takes_the_room_of_an_admitted_episode(root, room):
+    # The planner admits an episode when another drains, and the worker reserves it at the next
+    # anchor; a prefetch in between must leave it its room, else that admission evicts the
+    # prefetched episode, whose spans are then fetched twice. Each (episode, camera) span is
+    # read once when the budget holds the pool and `room` more of the largest episode.
+    config = _config(root, group=1, prefetch_episodes=4)
+    with contextlib.closing(WorkerStream(config, SHARE, _limits(config))) as stream:
+        sizes = stream.byte_sizes
+    largest = sorted(sizes[e] for e in SHARE)[-2:]
+    budget = sum(largest) + int(room * largest[-1])
+    reads = Counter()
+    limits = dataclasses.replace(_limits(config), byte_budget=budget)
+    with contextlib.closing(WorkerStream(config, SHARE, limits)) as stream:
+        read_range = stream.source.read_range
+
+        def counted(relpath, offset, length):
+            reads[relpath, offset, length] += relpath.endswith(".mp4")
+            return read_range(relpath, offset, length)
+
+        stream.source.read_range = counted
+        plans = [(_planner(sizes, budget), 0, None)]
+        samples = list(stream.stream(iter(plans), in_worker=False))
+    assert [_anchor(s) for s in samples] == list(_planner(sizes, budget))
+    spans = {key: count for key, count in reads.items() if count}
+    assert len(spans) == len(SHARE) * len(CAMERAS)  # every span was read
+    assert set(spans.values()) == {1}, spans
