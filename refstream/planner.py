@@ -2,7 +2,8 @@
 anchors ``(episode, frame)``; the stream fetches what it admits and follows its order. Use::
 
     planner = Planner(share, frames, seed=s, epoch=e, rank=r, worker=w, strategy="pool",
-                      pool_size=p, byte_sizes=sizes, byte_budget=b)   # sizes and budget optional
+                      pool_size=p, pool_ramp=k,              # k optional: 0, no ramp
+                      byte_sizes=sizes, byte_budget=b)       # optional, both or neither
     planner.skip(offset)                        # resume: the state after `offset` anchors
     for episode, frame in planner:
         admitted, drained = planner.drain_events()   # fetch the admitted, free the drained
@@ -25,9 +26,13 @@ from refstream.budget import check_episode_size, fits
 from refstream.errors import UsageError, check_at_least
 from refstream.shard import check_episodes
 
-__all__ = ["STRATEGIES", "Planner"]
+__all__ = ["STRATEGIES", "DEFAULT_POOL_RAMP", "Planner"]
 
 STRATEGIES = ("pool", "round_robin")
+# A streaming dataset's pool gains an episode every this many draws until it is full: a worker's
+# first batch of 32 then waits for at most 4 episodes, whatever the pool's size, and a pool of 16
+# is full after 120 draws. 0 fills it at once.
+DEFAULT_POOL_RAMP = 8
 SKIP_BLOCK = 1 << 16  # pool draws skip makes at once
 
 
@@ -36,12 +41,12 @@ class Planner:
 
     def __init__(self, episodes: Sequence[int], frames: Sequence[int], *, seed: int | None,
                  epoch: int, rank: int, worker: int, strategy: str = "pool", pool_size: int,
-                 byte_sizes: Sequence[int] | None = None, byte_budget: int | None = None,
-                 delivered: Sequence[int] | None = None) -> None:
+                 pool_ramp: int = 0, byte_sizes: Sequence[int] | None = None,
+                 byte_budget: int | None = None, delivered: Sequence[int] | None = None) -> None:
         seed = rng.resolve_seed(seed)
         episodes = check_episodes(episodes, frame_counts=frames, delivered_counts=delivered,
                                   byte_sizes=byte_sizes)
-        check_at_least(0, epoch=epoch, rank=rank, worker=worker)
+        check_at_least(0, epoch=epoch, rank=rank, worker=worker, pool_ramp=pool_ramp)
         check_at_least(1, pool_size=pool_size)
         if strategy not in STRATEGIES:
             raise UsageError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -53,6 +58,7 @@ class Planner:
         self._budget = 0 if byte_budget is None else byte_budget  # without one, every size is 0
         self._used = 0  # bytes of the residents
         self._pool_size = pool_size
+        self._ramp = pool_ramp
         self._strategy = strategy
         admission = rng.permutation(rng.derive_key(seed, epoch, "admit"), list(self._frames))
         self._pending: deque[int] = deque(admission.tolist())
@@ -126,9 +132,12 @@ class Planner:
         """Pass the next ``n`` anchors without computing their frames (SPEC §3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
-        if self._strategy != "pool":
-            for _ in range(n):
-                self._take(self._choose())
+        growing = self._ramp * (self._pool_size - 1) - self._emitted  # draws until it is full
+        stepwise = n if self._strategy != "pool" else min(n, max(0, growing))
+        for _ in range(stepwise):  # round_robin, and pool draws while the pool grows
+            self._take(self._choose())
+        n -= stepwise
+        if not n:
             return
         # Pool draws in blocks, their words made at once and the residents' frames left kept in
         # a list, written back to the dictionary before an episode drains: many times faster.
@@ -169,10 +178,18 @@ class Planner:
             self._orders.pop(episode, None)
             self._drained_events.append(episode)
             self._admit()
+        elif self._ramp and self._emitted % self._ramp == 0:
+            self._admit()  # the pool may have grown
+
+    def _capacity(self) -> int:
+        """The pool's size after the draws so far: full at once, or one more every ``pool_ramp``
+        draws (SPEC §3.2)."""
+        ramp = self._pool_size if not self._ramp else 1 + self._emitted // self._ramp
+        return min(self._pool_size, ramp)
 
     def _admit(self) -> None:
         """Admit waiting episodes while the pool and the budget have room (SPEC §3.2)."""
-        while len(self._left) < self._pool_size and self._pending:
+        while len(self._left) < self._capacity() and self._pending:
             episode = next((e for e in self._pending
                             if fits(self._used, self._sizes[e], self._budget)), None)
             if episode is None:

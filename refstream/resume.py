@@ -47,6 +47,7 @@ class ResumeSetup:
     batch_size: int
     repeat: bool
     selection: str  # selection_digest of the selected episodes and their frame counts
+    pool_ramp: int = 0  # absent from a checkpoint: 0
 
 
 # The setup fields a resume may change (SPEC §3.9); every other one must match.
@@ -80,11 +81,12 @@ class ResumeState:
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
         """The state in a checkpoint dict; ResumeError names a field that breaks SPEC §3.6."""
+        state = {"pool_ramp": 0, **state}
         setup_names = [f.name for f in fields(ResumeSetup)]
         missing = sorted({"epoch", "samples", *setup_names} - set(state))
         if missing:
             raise ResumeError(f"resume state lacks {missing}")
-        for name in ("epoch", "samples", "seed", *TOPOLOGY):
+        for name in ("epoch", "samples", "seed", "pool_ramp", *TOPOLOGY):
             check_int(state[name], f"resume state field {name}", 1 if name in TOPOLOGY else 0,
                       error=ResumeError)
         for name in ("pool_size", "byte_budget"):  # null, or an integer
@@ -307,7 +309,8 @@ class Course:
             share, self._frames[at].tolist(), seed=self.setup.seed, epoch=epoch, rank=rank,
             worker=worker, strategy=self.setup.strategy, pool_size=self.limits.pool_size,
             byte_sizes=None if budget is None else [byte_sizes[e] for e in share],
-            byte_budget=budget, delivered=plan.delivered[at].tolist())
+            byte_budget=budget, delivered=plan.delivered[at].tolist(),
+            pool_ramp=self.setup.pool_ramp)
 
     def after(self, samples: int, byte_sizes: Mapping[int, int] | None) -> Delivered:
         """What has been delivered once every rank consumed ``samples`` with this topology."""

@@ -38,7 +38,7 @@ from refstream.errors import IterableOnly, TopologyChanged, UsageError
 from refstream.hub import pinned_root
 from refstream.meta import INFO_PATH, DatasetMeta, load_meta, select_episodes
 from refstream.mp4 import SampleIndex
-from refstream.planner import STRATEGIES
+from refstream.planner import DEFAULT_POOL_RAMP, STRATEGIES
 from refstream.rng import MASK64, resolve_seed
 from refstream.roots import open_source
 from refstream.sidecar import MappedIndex, VideoIndex, ensure_index, lock_timeout
@@ -71,10 +71,12 @@ class StreamingDataset(IterableDataset):
     """A LeRobot v3 dataset streamed episode by episode. ``root``: a folder, an ``http(s)://``
     base URL or ``hf://datasets/OWNER/NAME[@REV]``. ``episode_pool_size`` and
     ``prefetch_episodes`` are per worker, ``byte_budget_gb`` (GiB) and
-    ``video_decoder_cache_size`` per rank (SPEC §2.3). ``batch_size``: the DataLoader's, or with
-    ``batched`` the dataset's own (SPEC §9.4, §9.5). ``decode_threads`` per worker decode each
-    group of ``decoded_queue_size`` samples (``batch_size`` when batched); by default the CPUs
-    shared among the DataLoader's workers, 1 or 2 each (``refstream.worker.decode_threads``).
+    ``video_decoder_cache_size`` per rank (SPEC §2.3); a worker's pool gains an episode every
+    ``episode_pool_ramp`` anchors until it is full (SPEC §3.2; 0: full from the start).
+    ``batch_size``: the DataLoader's, or with ``batched`` the dataset's own (SPEC §9.4, §9.5).
+    ``decode_threads`` per worker decode each group of ``decoded_queue_size`` samples
+    (``batch_size`` when batched); by default the CPUs shared among the DataLoader's workers, 1
+    or 2 each (``refstream.worker.decode_threads``).
     ``sidecar_lock_timeout_s``: the wait for another process building the video index (SPEC
     §10.6)."""
 
@@ -82,6 +84,7 @@ class StreamingDataset(IterableDataset):
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None,
                  tolerance_s: float = 1e-4, seed: int | None = None,
                  sampling_strategy: str = "pool", episode_pool_size: int | None = None,
+                 episode_pool_ramp: int = DEFAULT_POOL_RAMP,
                  prefetch_episodes: int = 8, byte_budget_gb: float = 8.0,
                  decode_threads: int | None = None,
                  decoded_queue_size: int = 8, video_decoder_cache_size: int | None = None,
@@ -97,7 +100,8 @@ class StreamingDataset(IterableDataset):
                              f"got {sampling_strategy!r}")
         if not byte_budget_gb > 0:
             raise UsageError(f"byte_budget_gb must be positive, got {byte_budget_gb}")
-        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers)
+        errors.check_at_least(0, prefetch_episodes=prefetch_episodes, num_workers=num_workers,
+                              episode_pool_ramp=episode_pool_ramp)
         errors.check_at_least(1, decode_threads=decode_threads,
                               decoded_queue_size=decoded_queue_size, batch_size=batch_size)
         if batched and not batch_size:
@@ -137,7 +141,8 @@ class StreamingDataset(IterableDataset):
             image_transforms=image_transforms, root=worker_root, video_index=self.video_index,
             decode_threads=decode_threads, prefetch_episodes=prefetch_episodes,
             group=batch_size if batched else decoded_queue_size, batched=batched,
-            pool_size=episode_pool_size, decoder_cache=video_decoder_cache_size,
+            pool_size=episode_pool_size, pool_ramp=episode_pool_ramp,
+            decoder_cache=video_decoder_cache_size,
             # The rank's byte budget; None without cameras (nothing to reserve).
             byte_budget=int(byte_budget_gb * GIB) if self.meta.camera_keys else None)
         # What the dataset is, in LeRobotDataset's names (the selected episodes, every rank).
@@ -253,7 +258,8 @@ class StreamingDataset(IterableDataset):
         errors.check_int(batch_size, "batch_size", 1)  # state_dict's, without the dataset's
         return resume.ResumeSetup(
             seed=self.seed if seed is None else seed, strategy=self.sampling_strategy,
-            pool_size=self.config.pool_size, byte_budget=self.config.byte_budget,
+            pool_size=self.config.pool_size, pool_ramp=self.config.pool_ramp,
+            byte_budget=self.config.byte_budget,
             world_size=self.world_size,
             num_workers=min(num_workers, self._most_workers), batch_size=batch_size,
             repeat=self.repeat, selection=resume.selection_digest(self.episodes, self._frames))

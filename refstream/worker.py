@@ -74,6 +74,7 @@ class WorkerConfig:
     group: int  # samples made and decoded together: a batch when batched
     batched: bool
     pool_size: int | None  # per worker; the two below per rank (SPEC §2.3)
+    pool_ramp: int
     byte_budget: int | None
     decoder_cache: int | None
 

@@ -76,9 +76,10 @@ def lpt(ids, frames, parts: int) -> list[list[int]]:
 
 
 def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
-         byte_sizes=None, byte_budget=None, delivered=None):
+         byte_sizes=None, byte_budget=None, delivered=None, pool_ramp=0):
     """The whole epoch as a list of steps: ("admit", e) / ("evict", e) / ("anchor", e, f).
-    ``delivered[i]`` frames of episode i's keyed order were emitted before (SPEC §3.9)."""
+    ``delivered[i]`` frames of episode i's keyed order were emitted before (SPEC §3.9); with a
+    ``pool_ramp`` the pool holds one episode more every ``pool_ramp`` draws (SPEC §3.2)."""
     done = dict(zip(episodes, delivered or [0] * len(episodes), strict=True))
     count = {e: f for e, f in zip(episodes, frames, strict=True) if f - done[e] > 0}
     size = dict(zip(episodes, byte_sizes, strict=True)) if byte_sizes is not None else None
@@ -90,7 +91,8 @@ def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
         return sum(size[r[0]] for r in residents) if size is not None else 0
 
     def admit():
-        while len(residents) < pool_size and pending:
+        capacity = pool_size if pool_ramp == 0 else min(pool_size, 1 + draw // pool_ramp)
+        while len(residents) < capacity and pending:
             choice = None
             for e in pending:
                 if size is None or size[e] <= byte_budget - used_bytes():
@@ -103,8 +105,8 @@ def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
             residents.append([choice, order, done[choice]])
             steps.append(("admit", choice))
 
-    admit()
     draw = 0
+    admit()
     rounds = 0
     this_round = []
     while residents:
@@ -129,7 +131,7 @@ def plan(episodes, frames, *, seed, epoch, rank, worker, strategy, pool_size,
         if chosen[2] == len(chosen[1]):
             residents.remove(chosen)
             steps.append(("evict", chosen[0]))
-            admit()
+        admit()  # after every emission: an eviction or a grown pool lets episodes in
     return steps
 
 
@@ -210,6 +212,7 @@ def worker_plans(inp, seen, epoch, world, workers):
         for w, ids in enumerate(lpt(rank_ids, rank_left, workers)):
             steps = plan(ids, [count[e] for e in ids], seed=_seed(inp), epoch=epoch, rank=r,
                          worker=w, strategy=inp["strategy"], pool_size=pool,
+                         pool_ramp=inp.get("pool_ramp", 0),
                          byte_sizes=None if budget is None else [size[e] for e in ids],
                          byte_budget=None if budget is None else budget // workers,
                          delivered=[done[e] for e in ids])
@@ -343,6 +346,7 @@ def plan_refused(inp: dict) -> bool:
         or min(episodes + frames, default=0) < 0 or seed is None or not 0 <= seed < M64
         or min(inp["epoch"], inp["rank"], inp["worker"]) < 0
         or inp["strategy"] not in ("pool", "round_robin") or inp["pool_size"] < 1
+        or not (type(inp.get("pool_ramp", 0)) is int and inp.get("pool_ramp", 0) >= 0)
         or (sizes is None) != (budget is None)
         or (budget is not None and (budget < 1 or len(sizes) != len(episodes) or min(sizes) < 0))
         or not 0 <= inp.get("skip", 0) <= sum(frames)
@@ -360,7 +364,7 @@ def expected_plan(inp: dict) -> dict:
     steps = plan(inp["episodes"], inp["frames"], seed=seed, epoch=inp["epoch"],
                  rank=inp["rank"], worker=inp["worker"], strategy=inp["strategy"],
                  pool_size=inp["pool_size"], byte_sizes=inp.get("byte_sizes"),
-                 byte_budget=inp.get("byte_budget"))
+                 byte_budget=inp.get("byte_budget"), pool_ramp=inp.get("pool_ramp", 0))
     skip = inp.get("skip", 0)
     anchors = anchors_of(steps)
     # the frontier after `skip` anchors: pending episodes in admission order at that moment

@@ -73,10 +73,13 @@ def test_no_plot_without_matplotlib(monkeypatch, tmp_path):
     assert not (tmp_path / "bench.png").exists()
 
 
-def test_batch_mixing_against_brute_force():
+def test_batch_mixing_against_brute_force(monkeypatch):
     config = bench.BenchConfig.quick(num_workers=1, batch_size=2)
+    # Round robin over two resident episodes puts one frame of each into every batch; with the
+    # pool growing by one every 8 draws, 8 draws come from one episode at a time.
+    assert droid.batch_mixing([7, 9], [4, 4], config, "round_robin", None).mean_distinct == 1.0
+    monkeypatch.setattr(droid, "DEFAULT_POOL_RAMP", 0)
     mixing = droid.batch_mixing([7, 9], [4, 4], config, "round_robin", None)
-    # Round robin over two resident episodes puts one frame of each into every batch.
     assert (mixing.batches, mixing.mean_distinct) == (4, 2.0)
     # A uniform shuffle of 8 frames of 2 episodes: a batch of 2 is mixed with probability
     # 4*4 / C(8, 2) = 16/28, so its expected distinct count is 1 + 16/28.

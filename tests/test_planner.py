@@ -34,6 +34,7 @@ def plan_inputs(draw, max_episodes=8, max_frames=12):
         "worker": draw(st.integers(0, 3)),
         "strategy": draw(STRATEGY),
         "pool_size": draw(st.integers(1, 5)),
+        "pool_ramp": draw(st.one_of(st.just(0), st.integers(1, 6))),
     }
     if draw(st.booleans()):
         sizes = draw(st.lists(st.integers(0, 100), min_size=len(frames), max_size=len(frames)))
@@ -74,8 +75,10 @@ def test_exact_coverage_and_limits_at_every_step(inputs):
     planner = Planner(ids, frames, **kwargs)
     sizes = dict(zip(ids, kwargs.get("byte_sizes", [0] * len(ids)), strict=True))
     emitted = []
+    ramp = kwargs["pool_ramp"]
     while True:
-        assert len(planner.resident) <= kwargs["pool_size"]
+        grown = kwargs["pool_size"] if not ramp else 1 + len(emitted) // ramp  # SPEC §3.2
+        assert len(planner.resident) <= min(kwargs["pool_size"], grown)
         if "byte_budget" in kwargs:
             assert sum(sizes[e] for e in planner.resident) <= kwargs["byte_budget"]
         assert planner.remaining == sum(frames) - len(emitted)
@@ -217,6 +220,8 @@ def test_episode_larger_than_budget_fails_before_anything():
         (([1], [2]), {"byte_sizes": [1], "byte_budget": 0}, "byte_budget must be an integer >= 1"),
         (([1], [2]), {"byte_sizes": [-1], "byte_budget": 5}, "negative"),
         (([1], [2]), {"seed": -3}, "seed"),
+        (([1], [2]), {"pool_ramp": -1}, "pool_ramp"),
+        (([1], [2]), {"pool_ramp": 1.5}, "pool_ramp"),
     ],
 )
 def test_invalid_arguments(args, kwargs, match):

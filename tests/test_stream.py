@@ -281,9 +281,13 @@ def test_each_frame_is_decoded_once_in_an_epoch(dataset_root, monkeypatch, num_w
     assert decoded.value == sum(LENGTHS) * len(SIZES)
 
 
-def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch):
+@pytest.mark.parametrize(("pool_ramp", "needed_episodes"), [(0, 2), (8, 1)])
+def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch, pool_ramp,
+                                                       needed_episodes):
     # The first group's episodes are fetched as its anchors need them and decoded as they
-    # arrive; the other residents and the frontier are fetched once the group is decoded.
+    # arrive; the other residents and the frontier are fetched once the group is decoded. A
+    # pool filled at once gives the first batch 2 of its 3 residents; one that grows over its
+    # first 8 anchors gives it one.
     events = []
     stream = refstream.worker.WorkerStream
     fetch, decode_part, emit = stream._fetch, stream._decode_part, stream._emit
@@ -304,11 +308,11 @@ def test_the_first_batch_waits_for_no_frontier_episode(dataset_root, monkeypatch
     monkeypatch.setattr(stream, "_decode_part", decoded)
     monkeypatch.setattr(stream, "_emit", emitted)
     dataset = StreamingDataset(dataset_root, seed=1, episode_pool_size=3, prefetch_episodes=3,
-                               batch_size=4, batched=True)
+                               episode_pool_ramp=pool_ramp, batch_size=4, batched=True)
     batches = iter(DataLoader(dataset, batch_size=None, num_workers=0))
     first = next(batches)
     needed = set(first["episode_index"].tolist())
-    assert len(needed) == 2  # of the 3 residents: one waits, and so does the frontier
+    assert len(needed) == needed_episodes  # the other residents wait, and so does the frontier
     head = events[:events.index("emit")]
     last_decode = max(i for i, event in enumerate(head) if event == "decode")
     assert {e for e in head[:last_decode] if e != "decode"} == needed
@@ -534,6 +538,17 @@ def test_resume_refuses_another_order_and_a_loader_it_was_not_loaded_for(resume_
     other.load_state_dict(state)
     with pytest.raises(TopologyChanged, match="pass num_workers=1 to load_state_dict"):
         _batches(other, 0, None)
+    # The pool's ramp changes the order too. A checkpoint without it was made with none (0).
+    ramped = StreamingDataset(resume_root, seed=7, episode_pool_ramp=3)
+    state = ramped.state_dict(8, batch_size=BATCH, num_workers=2)
+    assert state["pool_ramp"] == 3
+    with pytest.raises(TopologyChanged, match="pool_ramp 3 -> 8"):
+        StreamingDataset(resume_root, seed=7, batch_size=BATCH).load_state_dict(state)
+    del state["pool_ramp"]
+    with pytest.raises(TopologyChanged, match="pool_ramp 0 -> 8"):
+        StreamingDataset(resume_root, seed=7, batch_size=BATCH).load_state_dict(state)
+    StreamingDataset(resume_root, seed=7, batch_size=BATCH, episode_pool_ramp=0).load_state_dict(
+        state)
 
 
 def test_a_dataset_without_a_seed_takes_the_checkpoints(resume_root):

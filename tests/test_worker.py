@@ -49,9 +49,10 @@ def _config(root, **changes) -> WorkerConfig:
     return dataclasses.replace(config, **changes)
 
 
-def _planner(byte_sizes: dict[int, int], budget: int, epoch: int = 0):
+def _planner(byte_sizes: dict[int, int], budget: int, epoch: int = 0, pool_ramp: int = 0):
     return Planner(SHARE, [LENGTHS[e] for e in SHARE], seed=3, epoch=epoch, rank=0, worker=1,
-                   pool_size=2, byte_sizes=[byte_sizes[e] for e in SHARE], byte_budget=budget)
+                   pool_size=2, pool_ramp=pool_ramp, byte_sizes=[byte_sizes[e] for e in SHARE],
+                   byte_budget=budget)
 
 
 def _limits(config: WorkerConfig) -> WorkerLimits:
@@ -168,8 +169,9 @@ def test_a_worker_decodes_on_its_share_of_the_cpus_unless_told(root, monkeypatch
 
 
 
+@pytest.mark.parametrize("pool_ramp", [0, 2])
 @pytest.mark.parametrize("room", [1.0, 1.5, 2.5])
-def test_a_prefetch_never_takes_the_room_of_an_admitted_episode(root, room):
+def test_a_prefetch_never_takes_the_room_of_an_admitted_episode(root, room, pool_ramp):
     # The planner admits an episode when another drains, and the worker reserves it at the next
     # anchor; a prefetch in between must leave it its room, else that admission evicts the
     # prefetched episode, whose spans are then fetched twice. Each (episode, camera) span is
@@ -189,9 +191,9 @@ def test_a_prefetch_never_takes_the_room_of_an_admitted_episode(root, room):
             return read_range(relpath, offset, length)
 
         stream.source.read_range = counted
-        plans = [(_planner(sizes, budget), 0, None)]
+        plans = [(_planner(sizes, budget, pool_ramp=pool_ramp), 0, None)]
         samples = list(stream.stream(iter(plans), in_worker=False))
-    assert [_anchor(s) for s in samples] == list(_planner(sizes, budget))
+    assert [_anchor(s) for s in samples] == list(_planner(sizes, budget, pool_ramp=pool_ramp))
     spans = {key: count for key, count in reads.items() if count}
     assert len(spans) == len(SHARE) * len(CAMERAS)  # every span was read
     assert set(spans.values()) == {1}, spans

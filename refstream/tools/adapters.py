@@ -109,6 +109,7 @@ def kind_plan(case: dict) -> dict:
     planner = Planner(case["episodes"], case["frames"], seed=decode_u64(case["seed"]),
                       epoch=case["epoch"], rank=case["rank"], worker=case["worker"],
                       strategy=case["strategy"], pool_size=case["pool_size"],
+                      pool_ramp=case.get("pool_ramp", 0),
                       byte_sizes=case.get("byte_sizes"), byte_budget=case.get("byte_budget"),
                       delivered=case.get("delivered"))
     planner.skip(case.get("skip", 0))
@@ -166,9 +167,9 @@ def kind_elastic_resume(case: dict) -> dict:
     episodes, frames, sizes = case["episodes"], case["frames"], case.get("byte_sizes")
     setup = resume.ResumeSetup(
         seed=rng.resolve_seed(decode_u64(case["seed"])), strategy=case["strategy"],
-        pool_size=case["pool_size"], byte_budget=case.get("byte_budget"),
-        world_size=case["world_size"], num_workers=case["num_workers"],
-        batch_size=case["batch_size"], repeat=case["repeat"],
+        pool_size=case["pool_size"], pool_ramp=case.get("pool_ramp", 0),
+        byte_budget=case.get("byte_budget"), world_size=case["world_size"],
+        num_workers=case["num_workers"], batch_size=case["batch_size"], repeat=case["repeat"],
         selection=resume.selection_digest(episodes, frames))
     history = tuple(resume.Segment(*segment) for segment in case["history"])
     by_episode = None if sizes is None else dict(zip(episodes, sizes, strict=True))

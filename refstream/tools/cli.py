@@ -83,6 +83,9 @@ _ORDER.add_argument("--strategy", dest="sampling_strategy", default="pool",
                     choices=planner.STRATEGIES, help="how a worker mixes its resident episodes")
 _ORDER.add_argument("--pool-size", dest="episode_pool_size", type=int, metavar="N", help="resident "
                     "episodes per worker (default: 32 per rank, split over the workers)")
+_ORDER.add_argument("--pool-ramp", dest="episode_pool_ramp", type=int, metavar="K",
+                    default=planner.DEFAULT_POOL_RAMP, help="the pool gains an episode every K "
+                    "anchors until it is full (0: full from the start)")
 
 
 def _command(subparsers, name: str, help_text: str, run: Callable[[argparse.Namespace], int],
@@ -192,8 +195,9 @@ def add_stream(subparsers) -> None:
 
 
 # The stream options that are StreamingDataset arguments of the same name.
-STREAM_OPTIONS = ("seed", "sampling_strategy", "episode_pool_size", "prefetch_episodes",
-                  "byte_budget_gb", "decode_threads", "tolerance_s", "return_uint8", "batched")
+STREAM_OPTIONS = ("seed", "sampling_strategy", "episode_pool_size", "episode_pool_ramp",
+                  "prefetch_episodes", "byte_budget_gb", "decode_threads", "tolerance_s",
+                  "return_uint8", "batched")
 
 
 def run_stream(args) -> int:
@@ -278,7 +282,7 @@ def _plan_summary(args, episodes: list[int], frames: list[int]) -> dict:
     for worker, part in enumerate(parts):
         plan = planner.Planner(part, [count[e] for e in part], seed=seed, epoch=args.epoch,
                                rank=args.rank, worker=worker, strategy=args.sampling_strategy,
-                               pool_size=limits.pool_size)
+                               pool_size=limits.pool_size, pool_ramp=args.episode_pool_ramp)
         take = plan.remaining if args.limit == 0 else min(args.limit, plan.remaining)
         anchors = [list(next(plan)) for _ in range(take)]
         workers.append({"worker": worker, "episodes": part, "frames": sum(count[e] for e in part),
@@ -286,6 +290,7 @@ def _plan_summary(args, episodes: list[int], frames: list[int]) -> dict:
     return {"episodes": len(episodes), "frames": sum(frames), "world_size": args.world_size,
             "rank": args.rank, "num_workers": args.num_workers, "seed": seed, "epoch": args.epoch,
             "strategy": args.sampling_strategy, "pool_size": limits.pool_size,
+            "pool_ramp": args.episode_pool_ramp,
             "longest_episode": max(frames, default=0), "rank_frames": rank_frames,
             "worker_frames": [w["frames"] for w in workers], "workers": workers}
 

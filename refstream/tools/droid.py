@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from refstream import hub, resume, shard
-from refstream.planner import Planner
+from refstream.planner import DEFAULT_POOL_RAMP, Planner
 from refstream.stream import GIB
 
 if TYPE_CHECKING:
@@ -96,8 +96,9 @@ def elastic_figures(frames: list[int], config: BenchConfig,
     sizes = {e: int(f * bytes_per_frame) for e, f in zip(ids, frames, strict=True)}
     setup = resume.ResumeSetup(
         seed=config.seed, strategy="pool", pool_size=config.pool_size,
-        byte_budget=int(config.budget_gb * GIB), world_size=new, num_workers=workers,
-        batch_size=batch, repeat=False, selection=resume.selection_digest(ids, frames))
+        pool_ramp=DEFAULT_POOL_RAMP, byte_budget=int(config.budget_gb * GIB), world_size=new,
+        num_workers=workers, batch_size=batch, repeat=False,
+        selection=resume.selection_digest(ids, frames))
     samples = sum(frames) // old // 2 // batch * batch
     resumed = resume.ResumeState(0, 0, setup, (resume.Segment(old, workers, batch, samples),))
     started = time.perf_counter()
@@ -145,7 +146,8 @@ def hub_resolves(config: BenchConfig) -> HubResolves:
         parts = shard.worker_shares(share, [frames[e] for e in share], HUB_WORKERS)
         for worker, part in enumerate(parts):
             planner = Planner(part, [frames[e] for e in part], seed=config.seed, epoch=0,
-                              rank=rank, worker=worker, pool_size=pool)
+                              rank=rank, worker=worker, pool_size=pool,
+                              pool_ramp=DEFAULT_POOL_RAMP)
             touched.update(next(planner)[0] for _ in range(min(anchors, planner.remaining)))
     first = sorted(touched)
     files = DROID_CAMERAS * (int(video[-1]) + 1) + int(data[-1]) + 1
@@ -175,7 +177,8 @@ def batch_mixing(episodes: list[int], frames: list[int], config: BenchConfig, st
     distinct: list[int] = []
     for worker, share in enumerate(shard.worker_shares(episodes, frames, workers)):
         planner = Planner(share, [frames_of[e] for e in share], seed=config.seed, epoch=0,
-                          rank=0, worker=worker, strategy=strategy, pool_size=pool)
+                          rank=0, worker=worker, strategy=strategy, pool_size=pool,
+                          pool_ramp=DEFAULT_POOL_RAMP)
         full = planner.remaining // config.batch_size
         for _ in range(full if max_batches is None else min(full, max_batches)):
             batch = {next(planner)[0] for _ in range(config.batch_size)}
