@@ -132,11 +132,10 @@ class Planner:
         """Pass the next ``n`` anchors without computing their frames (SPEC §3.4)."""
         if not 0 <= n <= self.remaining:
             raise UsageError(f"cannot skip {n} anchors: {self.remaining} remain in this epoch")
-        growing = self._ramp * (self._pool_size - 1) - self._emitted  # draws until it is full
-        stepwise = n if self._strategy != "pool" else min(n, max(0, growing))
-        for _ in range(stepwise):  # round_robin, and pool draws while the pool grows
+        # One at a time: round_robin, and pool draws while the pool may still grow.
+        while n and (self._strategy != "pool" or self._capacity() < self._pool_size):
             self._take(self._choose())
-        n -= stepwise
+            n -= 1
         if not n:
             return
         # Pool draws in blocks, their words made at once and the residents' frames left kept in

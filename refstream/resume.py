@@ -81,7 +81,7 @@ class ResumeState:
     @classmethod
     def from_dict(cls, state: dict) -> ResumeState:
         """The state in a checkpoint dict; ResumeError names a field that breaks SPEC §3.6."""
-        state = {"pool_ramp": 0, **state}
+        state = {"pool_ramp": ResumeSetup.pool_ramp, **state}  # absent: the default
         setup_names = [f.name for f in fields(ResumeSetup)]
         missing = sorted({"epoch", "samples", *setup_names} - set(state))
         if missing:

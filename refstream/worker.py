@@ -358,14 +358,14 @@ class WorkerStream:
     def _prefetch(self, planner: Planner) -> None:
         """Reserve and fetch the residents no anchor asked for yet, then frontier episodes, while
         they fit without evicting (SPEC §9.3): a prefetch never takes a resident's room."""
-        frontier = planner.frontier(self.config.prefetch_episodes)
-        for episode in [*planner.resident, *frontier]:  # one reserved already passes
+        frontier, residents = planner.frontier(self.config.prefetch_episodes), planner.resident
+        for episode in [*residents, *frontier]:  # one reserved already passes
             if not self.budget.reserve_in_room(episode, self.byte_sizes[episode]):
                 break  # full: keep the order, retry after the next release
             self._start_fetch(episode, planner)
         # An admission that must evict drops the least recently used prefetch: touched from the
         # frontier's far end, that is the one needed last; the residents' are needed first.
-        self.budget.touch([*reversed(frontier), *planner.resident])
+        self.budget.touch([*reversed(frontier), *residents])
 
     def _start_fetch(self, episode: int, planner: Planner, drawn: tuple[int, ...] = ()) -> None:
         """Fetch ``episode`` for its anchors ``drawn`` and to come, once per reservation."""

@@ -168,7 +168,6 @@ def test_a_worker_decodes_on_its_share_of_the_cpus_unless_told(root, monkeypatch
     assert len(samples) == sum(LENGTHS[e] for e in SHARE)
 
 
-
 @pytest.mark.parametrize("pool_ramp", [0, 2])
 @pytest.mark.parametrize("room", [1.0, 1.5, 2.5])
 def test_a_prefetch_never_takes_the_room_of_an_admitted_episode(root, room, pool_ramp):
