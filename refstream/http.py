@@ -43,6 +43,7 @@ RETRY_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
 ABSENT_STATUSES = frozenset({404, 410})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5  # the Hub needs 1 (resolve -> CDN); more hops mean a loop
+MAX_ORIGINS = 64  # origins whose environment settings a source keeps (see HTTPSource._environment)
 _CHUNK_BYTES = 1 << 16  # socket read granularity for response bodies
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
 _RATE_LIMIT = re.compile(r'"([^"]*)"\s*;\s*r\s*=\s*0+\s*;\s*t\s*=\s*([0-9]+)')  # quota spent
@@ -269,6 +270,7 @@ class HTTPSource(Source):
         self._session.auth = lambda request: request  # adds nothing; stops requests reading .netrc
         self._session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # keeps none
         self._sizes: dict[str, int] = {}  # relpath -> size seen (one dict operation is atomic)
+        self._settings: dict[tuple, dict] = {}  # origin -> what requests reads of the environment
 
     def __repr__(self) -> str:
         return f"HTTPSource({self.label!r}, token={'set' if self._token else 'none'})"
@@ -418,8 +420,9 @@ class HTTPSource(Source):
             sent = {"Accept-Encoding": "identity", **headers}
             if self._token and _origin(url) == self._token_origin:
                 sent["Authorization"] = f"Bearer {self._token}"
-            response = self._session.request(method, url, headers=sent, timeout=self._timeout,
-                                             allow_redirects=False, stream=True)
+            prepared = self._session.prepare_request(requests.Request(method, url, headers=sent))
+            response = self._session.send(prepared, timeout=self._timeout, allow_redirects=False,
+                                          **self._environment(url))
             hops.append(response)
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:
@@ -428,6 +431,20 @@ class HTTPSource(Source):
             response.close()
             url = urljoin(url, location)
         raise errors.HTTPStatusError(f"{where}: more than {MAX_REDIRECTS} redirects")
+
+    def _environment(self, url: str) -> dict:
+        """The proxies (``*_PROXY``, ``NO_PROXY``), CA bundle and client certificate requests
+        takes from the environment for ``url``, read once per origin: requests reads them on
+        every request, a quarter of a range request's CPU. Origins are the base URL's and those
+        it redirects to, a handful; past MAX_ORIGINS they are read again."""
+        origin = _origin(url)
+        settings = self._settings.get(origin)
+        if settings is None:
+            if len(self._settings) >= MAX_ORIGINS:
+                self._settings.clear()
+            settings = self._settings[origin] = self._session.merge_environment_settings(
+                url, {}, True, None, None)  # proxies, stream, verify, cert
+        return settings
 
     def _read_body(self, response: requests.Response, limit: int | None) -> tuple[bytes, str]:
         """The body up to ``limit + 1`` bytes, and how the connection broke (``""`` if not)."""

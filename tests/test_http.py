@@ -3,11 +3,13 @@ against the fault-injecting loopback server (tests/rangeserver.py)."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from rangeserver import RangeServer
@@ -134,6 +136,75 @@ def test_answers_without_a_wanted_body_keep_their_connection(folder):
         assert [(r.method, r.status) for r in target.log] == [
             ("HEAD", 200), ("GET", 206), ("GET", 206)]
         assert (server.connections_accepted, target.connections_accepted) == (1, 1)
+
+
+# --- the environment's proxies -------------------------------------------------------------------
+
+
+class Forwarder(ThreadingHTTPServer):
+    """An HTTP proxy on loopback: records each absolute URL asked and relays the origin's answer
+    unchanged (redirects included)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        forwarder = self
+
+        class Relay(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def relay(self) -> None:
+                forwarder.seen.append(self.path)
+                parts = urlsplit(self.path)
+                connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() in ("range", "accept-encoding", "if-match")}
+                connection.request(self.command, parts.path, headers=headers)
+                answer = connection.getresponse()
+                body = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("connection", "transfer-encoding", "keep-alive"):
+                        self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(body)
+                connection.close()
+
+            do_GET = do_HEAD = relay
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Relay)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def test_requests_follow_the_environments_proxy_and_no_proxy_per_origin(folder, monkeypatch):
+    """HTTP_PROXY carries requests to every origin NO_PROXY does not name: here the base URL's
+    (``localhost``), which redirects, and not the origin it redirects to (``127.0.0.1``). A
+    source reads the environment once per origin, so a source made after NO_PROXY changed
+    follows the new value."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    with RangeServer(folder) as target, RangeServer(folder, redirect_to=target) as server, \
+            Forwarder() as proxy:
+        base = server.url.replace("127.0.0.1", "localhost")
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        source = HTTPSource(base, retry=FAST)
+        for at in (10, 500):
+            assert source.read_range("data/blob.bin", at, 20) == blob(folder)[at:at + 20]
+        assert proxy.seen == [f"{base}/data/blob.bin"] * 2  # the target answered directly
+        assert [(r.method, r.status) for r in target.log] == [("GET", 206)] * 2
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        direct = HTTPSource(base, retry=FAST)
+        assert direct.read_range("data/blob.bin", 0, 20) == blob(folder)[:20]
+        assert len(proxy.seen) == 2 and len(server.log) == 3
+        proxy.shutdown()
 
 
 # --- roots that are not folders -----------------------------------------------------------------

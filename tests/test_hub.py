@@ -222,23 +222,22 @@ def test_hub_refusals_say_what_to_change_before_any_worker_starts(case, hub, mon
 # --- the token stays on the Hub's origin --------------------------------------------------------
 
 
-class Recording:
+class Recording(requests.Session):
     """Stands for the network: the first answer redirects to ``target``, later ones are 200."""
 
     def __init__(self, target: str) -> None:
+        super().__init__()
         self.target, self.sent = target, []
 
-    def request(self, method, url, headers, **options) -> requests.Response:
-        self.sent.append((url, "Authorization" in headers))
+    def send(self, request, **options) -> requests.Response:
+        self.sent.append((request.url, "Authorization" in request.headers))
         response = requests.Response()
-        response.status_code, response.url = (302, url) if len(self.sent) == 1 else (200, url)
+        response.status_code, response.url = (302, request.url) if len(self.sent) == 1 else \
+            (200, request.url)
         response.headers["Location" if len(self.sent) == 1 else "Content-Length"] = \
             self.target if len(self.sent) == 1 else "2"
         response.raw = io.BytesIO(b"" if len(self.sent) == 1 else b"ok")
         return response
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("target", ["http://127.0.0.1:8001/file", "https://127.0.0.1:8000/file",
