@@ -37,13 +37,16 @@ class EpisodeDecoder:
 
     def __init__(self, mp4_bytes: bytes, label: str = "episode video", start_pts: int = 0,
                  stsd: bytes = b"", peers: Iterable[EpisodeDecoder] = (),
-                 keyframes: Iterable[int] = (), demand: dict[int, int] | None = None) -> None:
+                 keyframes: Iterable[int] = (), demand: dict[int, int] | None = None,
+                 tally: list[int] | None = None) -> None:
         self.label, self.start_pts, self._bytes = label, start_pts, mp4_bytes
         self.demand = demand  # source pts -> requests still to come (None: keep nothing)
         self._keyframes = [*sorted(int(k) - start_pts for k in keyframes), math.inf]  # local ticks
         self._demanded = sorted(int(p) - start_pts for p in demand or ())  # local ticks
         self.kept: dict[int, av.VideoFrame] = {}  # local pts -> a frame a later request wants
         self.kept_bytes = 0
+        # Bytes kept by this decoder and the others sharing the one-element list (a cache's).
+        self._tally = [0] if tally is None else tally
         self._container = self._open()
         self._scaler = VideoReformatter()
         stream = self._container.streams.video[0]
@@ -55,8 +58,9 @@ class EpisodeDecoder:
         peer = next((p for p in peers if self.setup and p.setup == self.setup), None)
         self.codec = stream.codec_context if peer is None else peer.codec
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
-        # A decoded frame's bytes: the most an 8-bit frame takes (4:4:4) until one is decoded.
-        self._frame_bytes = 3 * self.width * self.height
+        # A decoded frame's bytes, padding included: the first decoded frame's (the frames of a
+        # stream are alike), until then the most an 8-bit frame takes (4:4:4).
+        self._frame_bytes, self._sized = 3 * self.width * self.height, False
         rate = stream.average_rate  # frames per second, None if unknown
         # One frame's duration in ticks of the stream's time base (1 if the rate is unknown).
         self._frame_ticks = max(1, round(1 / float(stream.time_base * rate))) if rate else 1
@@ -132,19 +136,25 @@ class EpisodeDecoder:
 
     def _keep(self, decoded: dict[int, av.VideoFrame], served: list[int], room: int) -> None:
         """Keep decoded frames later requests want, in ``room`` bytes; drop those served last."""
+        if decoded and not self._sized:
+            self._frame_bytes, self._sized = _frame_bytes(next(iter(decoded.values()))), True
         for local in served:
             if local in self.kept and not self._wanted_later(local):
-                self.kept_bytes -= _frame_bytes(self.kept.pop(local))
+                del self.kept[local]
+                self._hold(-self._frame_bytes)
         for local, frame in sorted(decoded.items()):
-            size = self._frame_bytes = _frame_bytes(frame)
-            if local not in self.kept and self._wanted_later(local) and size <= room:
+            if local not in self.kept and self._wanted_later(local) and self._frame_bytes <= room:
                 self.kept[local] = frame
-                self.kept_bytes += size
-                room -= size
+                self._hold(self._frame_bytes)
+                room -= self._frame_bytes
+
+    def _hold(self, size: int) -> None:
+        self.kept_bytes += size
+        self._tally[0] += size
 
     def let_go(self) -> None:
         self.kept.clear()
-        self.kept_bytes = 0
+        self._hold(-self.kept_bytes)
 
     def _decode(self, first: int, last: int, wanted: set[int]) -> dict[int, av.VideoFrame]:
         """The decoded frames of ``wanted`` (local ticks ``first`` to ``last``) or wanted later."""
@@ -228,6 +238,7 @@ class DecoderCache:
         check_at_least(1, capacity=capacity)
         self.capacity, self.keep_bytes = capacity, keep_bytes
         self._decoders: OrderedDict[tuple[int, str], EpisodeDecoder] = OrderedDict()
+        self._kept = [0]  # bytes its decoders keep, a tally they share
 
     def decoder(self, key: tuple[int, str], mp4_bytes: bytes, start_pts: int = 0,
                 stsd: bytes = b"", keyframes: Iterable[int] = (),
@@ -236,7 +247,7 @@ class DecoderCache:
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             decoder = EpisodeDecoder(mp4_bytes, f"episode {key[0]} camera {key[1]}", start_pts,
-                                     stsd, self._decoders.values(), keyframes, demand)
+                                     stsd, self._decoders.values(), keyframes, demand, self._kept)
         self._decoders[key] = decoder
         while len(self._decoders) > self.capacity:
             self._decoders.popitem(last=False)[1].close()
@@ -244,7 +255,7 @@ class DecoderCache:
 
     def room(self) -> int:
         """Bytes of frames its decoders may keep beyond what they keep."""
-        return self.keep_bytes - sum(d.kept_bytes for d in self._decoders.values())
+        return self.keep_bytes - self._kept[0]
 
     def fit(self, keep_bytes: int) -> None:
         """Bound the frames kept to ``keep_bytes``: the least recently used decoders' go first."""

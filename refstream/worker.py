@@ -321,10 +321,11 @@ class WorkerStream:
     def _decode_part(self, made: _Group, thread: int, parts: Iterable[list[tuple]]) -> None:
         """Decode the group's requests of ``parts``, all going to the decoders of ``thread``."""
         decoders = self.decoders[thread]
+        pixels = {camera: frames.numpy() for camera, frames in made.frames.items()}  # views
         for slot, episode, camera, video, pts in itertools.chain.from_iterable(parts):
             decoder = decoders.decoder((episode, camera), video.mp4, video.start_pts,
                                        video.stsd, video.keyframes, video.demand)
-            decoder.frames(pts, out=made.frames[camera][slot].numpy(), room=decoders.room())
+            decoder.frames(pts, out=pixels[camera][slot], room=decoders.room())
 
     def _emit(self, made: _Group, batched: bool, in_worker: bool) -> Iterator[dict]:
         """The group's samples, or its Batch, image transforms applied in sample order."""

@@ -300,8 +300,19 @@ def test_the_cache_bounds_kept_frames_letting_go_of_the_least_recent_first(video
     cache.fit(held[1])
     assert [d.kept_bytes for d in decoders] == [0, held[1]] and cache.room() == 0
     assert cache.decoder((1, "a"), data).frames([pts[1]], room=cache.room()).shape[0] == 1
+    held = decoders[1].kept_bytes
+    cache.fit(10**9)
+    cache.discard((1, "a"))  # closed: what it kept is room again
+    assert decoders[1].kept == {} and cache.room() == 10**9 and held > 0
+    small = DecoderCache(capacity=1, keep_bytes=10**9)
+    first = small.decoder((0, "a"), data, keyframes=index.pts[index.keyframe],
+                          demand=dict.fromkeys(pts, 2))
+    first.frames(pts[:2], room=small.room())
+    assert small.room() == 10**9 - first.kept_bytes < 10**9
+    small.decoder((1, "a"), data)  # past the capacity: the first one is closed
+    assert first.kept == {} and small.room() == 10**9
+    small.close()
     cache.close()
-    assert decoders[1].kept == {}
 
 
 # --- the decoder cache ---------------------------------------------------------------------
