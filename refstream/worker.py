@@ -5,16 +5,18 @@
         yield from worker.stream(runs, in_worker=True)
 
 ``config`` is made once in the main process and pickled to the workers. A ready :class:`Batch`'s
-camera tensors are shared memory: the training process receives them as handles, and the worker
-writes them again once that process dropped them. :class:`SharedBuffers` allocates them with
-torch's private ``UntypedStorage._new_shared``, as ``default_collate`` does: the public
-``share_memory_()`` copies a new tensor there, about 3.5 times as slow (65 ms more for a 73 MiB
-buffer). If torch renames it, every test of ready batches (``tests/test_batches.py``) fails.
+camera tensors are views of one storage in shared memory: the training process receives it as
+one handle (each handle costs both processes a connection), and the worker writes it again once
+that process dropped every view. :class:`SharedBuffers` allocates it with torch's private
+``UntypedStorage._new_shared``, as ``default_collate`` does: the public ``share_memory_()``
+copies a new tensor there, about 3.5 times as slow (65 ms more for a 73 MiB buffer). If torch
+renames it, every test of ready batches (``tests/test_batches.py``) fails.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import weakref
 from collections import defaultdict, deque
@@ -45,8 +47,8 @@ __all__ = ["WorkerConfig", "WorkerStream", "Batch", "SharedBuffers", "plan_spans
 # Fetch threads per worker: Parquet and range reads of the pool and frontier episodes. Small:
 # each episode is one task, and a worker's share of a 2-core machine is small.
 MAX_FETCH_THREADS = 4
-# Shared camera tensors a worker keeps for reuse; past this many (a consumer holding hundreds
-# of batches) a batch gets memory that is not used again.
+# Shared storages (a group's camera tensors each) a worker keeps for reuse; past this many (a
+# consumer holding hundreds of batches) a batch gets memory that is not used again.
 MAX_SHARED_BUFFERS = 1024
 # Tensors up to this size travel inside a batch's pickle, the rest as shared memory: for the
 # small ones (indices, actions, masks) that is cheaper than a file and a descriptor each.
@@ -96,7 +98,7 @@ class _Group:
     """Samples made together: their values, frame requests not yet decoded, frames' tensors."""
 
     frames: dict[str, torch.Tensor]  # camera -> (size, T, 3, H, W)
-    in_use: dict[str, tuple]  # camera -> its shared tensor's in-use flag (see SharedBuffers)
+    storage: torch.UntypedStorage | None  # shared, that the frames view (see SharedBuffers)
     anchors: list[tuple[int, int]] = field(default_factory=list)
     values: dict[str, list] = field(default_factory=lambda: defaultdict(list))  # key -> values
     requests: list[tuple] = field(default_factory=list)  # (slot, episode, camera, video, pts)
@@ -105,54 +107,78 @@ class _Group:
 
 class Batch(dict):
     """A ready batch (SPEC §9.2). Pickled in a worker, it carries its small tensors inside and
-    handles to its shared camera tensors, whose ``in_use`` flags the receiver clears."""
+    its camera tensors as one handle to the shared storage they view (:class:`SharedBuffers`),
+    whose in-use flag the receiver clears once it dropped every view."""
 
-    __slots__ = ("in_use",)
+    __slots__ = ("storage",)
 
-    def __init__(self, values=(), in_use: dict | None = None) -> None:
+    def __init__(self, values=(), storage: torch.UntypedStorage | None = None) -> None:
         super().__init__(values)
-        self.in_use = in_use or {}
+        self.storage = storage
 
     def __copy__(self) -> Batch:  # the DataLoader's default_convert and pin_memory copy it
-        return Batch(self, self.in_use)
+        return Batch(self, self.storage)
 
     def __reduce__(self):
-        return _received, ({key: value.numpy() if isinstance(value, torch.Tensor)
-                            and value.nbytes <= INLINE_BYTES else value
-                            for key, value in self.items()}, self.in_use)
+        values, views, dtype = {}, {}, None  # views: key -> (offset, size, stride) of a view
+        address = None if self.storage is None else self.storage.data_ptr()
+        for key, value in self.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == address:
+                views[key] = (value.storage_offset(), value.shape, value.stride())
+                value, dtype = None, value.dtype  # None: its place in the key order
+            elif isinstance(value, torch.Tensor) and value.nbytes <= INLINE_BYTES:
+                value = value.numpy()
+            values[key] = value
+        return _received, (values, self.storage, dtype, views)
 
 
-def _received(values: dict, in_use: dict) -> Batch:
-    """A batch where it is used: each shared tensor clears its in-use flag once dropped."""
-    for key, (flags, cell) in in_use.items():
-        values[key] = np.asarray(values[key])  # a tensor's memory, or an array sent inline
-        weakref.finalize(values[key], flags.__setitem__, cell, 0).atexit = False
-    return Batch({key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-                  for key, value in values.items()})
+def _received(values: dict, storage: torch.UntypedStorage | None, dtype: torch.dtype | None,
+              views: dict) -> Batch:
+    """A batch where it is used: its views of ``storage`` clear its in-use flag once dropped."""
+    values = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+              for key, value in values.items()}
+    if views:
+        # Every view holds the one array, so the flag clears when the last view is dropped.
+        pixels, flag = SharedBuffers.arrays(storage, dtype)
+        weakref.finalize(pixels, flag.__setitem__, 0, 0).atexit = False
+        whole = torch.from_numpy(pixels)
+        for key, (offset, size, stride) in views.items():
+            values[key] = whole.as_strided(size, stride, offset)
+    return Batch(values)
 
 
 class SharedBuffers:
-    """A worker's camera tensors in shared memory, each with an in-use flag ``(flags, cell)``."""
+    """A worker's groups of camera tensors in shared memory: a group's tensors are views of one
+    storage, whose last byte is its in-use flag (set by take, cleared where the batch is used)."""
 
     def __init__(self) -> None:
-        self.flags = torch.zeros(MAX_SHARED_BUFFERS, dtype=torch.uint8).share_memory_()
-        self._busy = self.flags.numpy()
-        self._tensors: list[torch.Tensor] = []
+        self._buffers: list[tuple[tuple, torch.UntypedStorage, dict, np.ndarray]] = []
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
-        """A free tensor and its in-use flag; none for a tensor not used again."""
-        for cell, tensor in enumerate(self._tensors):
-            if not self._busy[cell] and tensor.shape == shape and tensor.dtype == dtype:
-                break
-        else:
-            storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel() * dtype.itemsize)
-            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-            if len(self._tensors) == MAX_SHARED_BUFFERS:
-                return tensor, ()
-            cell = len(self._tensors)
-            self._tensors.append(tensor)
-        self._busy[cell] = 1
-        return tensor, (self.flags, cell)
+    def take(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype
+             ) -> tuple[dict[str, torch.Tensor], torch.UntypedStorage]:
+        """Free tensors of ``shapes`` (key -> shape), views of one storage, marked in use."""
+        layout = (tuple(shapes.items()), dtype)
+        free = next((b for b in self._buffers if b[0] == layout and not b[3][0]), None)
+        if free is None:
+            sizes = [math.prod(shape) for shape in shapes.values()]
+            storage = torch.UntypedStorage._new_shared(sum(sizes) * dtype.itemsize + 1)
+            parts = torch.empty(0, dtype=dtype).set_(storage, 0, (sum(sizes),)).split(sizes)
+            free = (layout, storage, {key: part.view(shape) for key, part, shape
+                                      in zip(shapes, parts, shapes.values(), strict=True)},
+                    self.arrays(storage, dtype)[1])
+            if len(self._buffers) < MAX_SHARED_BUFFERS:
+                self._buffers.append(free)
+        _, storage, tensors, flag = free
+        flag[0] = 1
+        return tensors, storage
+
+    @staticmethod
+    def arrays(storage: torch.UntypedStorage, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """A storage's values before its flag (1-D, ``dtype``) and its flag, as arrays."""
+        count = (storage.nbytes() - 1) // dtype.itemsize
+        pixels = torch.empty(0, dtype=dtype).set_(storage, 0, (count,)).numpy()
+        flag = torch.empty(0, dtype=torch.uint8).set_(storage, storage.nbytes() - 1, (1,))
+        return pixels, flag.numpy()
 
 
 def plan_spans(config: WorkerConfig, episodes: Sequence[int],
@@ -231,15 +257,12 @@ class WorkerStream:
 
     def _group(self, size: int, shared: bool) -> _Group:
         """An empty group whose frames go to new tensors, or reused shared ones."""
-        frames, in_use = {}, {}
-        for camera, (height, width) in self.frame_sizes.items():
-            shape = (size, len(self.windows.get(camera, [0])), 3, height, width)
-            if not shared:
-                frames[camera] = torch.empty(shape, dtype=self.config.dtype)
-                continue
-            frames[camera], flag = self.buffers.take(shape, self.config.dtype)
-            in_use.update({camera: flag} if flag else {})
-        return _Group(frames, in_use)
+        shapes = {camera: (size, len(self.windows.get(camera, [0])), 3, height, width)
+                  for camera, (height, width) in self.frame_sizes.items()}
+        if shared and shapes:
+            return _Group(*self.buffers.take(shapes, self.config.dtype))
+        return _Group({camera: torch.empty(shape, dtype=self.config.dtype)
+                       for camera, shape in shapes.items()}, None)
 
     def _anchors(self, planner: Planner, offset: int, stop: int | None) -> Iterator[tuple | None]:
         """The run's anchors in order, each after its episode's admission, and DECODE_FIRST while
@@ -344,7 +367,8 @@ class WorkerStream:
             return
         batch = {key: values[key] if isinstance(values[key], torch.Tensor)
                  else default_collate(values[key]) for key in self.keys}
-        yield Batch(batch, made.in_use) if in_worker else _received(batch, made.in_use)
+        batch = Batch(batch, made.storage)
+        yield batch if in_worker else _received(*batch.__reduce__()[1])  # as if it crossed
 
     # --- admission, prefetch and release ------------------------------------------------------
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing  # registers the reductions that pickle tensors as handles
 from lerobot_layout import write_layout
+from torch.multiprocessing import reductions
 from torch.utils.data import DataLoader
 
 from refstream.errors import UsageError
@@ -227,28 +228,41 @@ def test_a_held_batch_keeps_its_memory_and_a_dropped_one_is_reused(root):
 
 def test_an_in_use_flag_clears_when_the_receiving_process_drops_the_last_view():
     buffers = SharedBuffers()
-    tensor, flag = buffers.take((2, 3), torch.float32)
-    tensor.copy_(torch.arange(6.0).reshape(2, 3))
+    shapes = {"a": (2, 3), "b": (1, 2)}
+    tensors, storage = buffers.take(shapes, torch.float32)
+    tensors["a"].copy_(torch.arange(6.0).reshape(2, 3))
+    tensors["b"].copy_(torch.tensor([[7.0, 8.0]]))
+    batch = Batch({"a": tensors["a"], "i": torch.arange(2), "b": tensors["b"][0]}, storage)
     # What the DataLoader's result queue does: pickle in the worker, unpickle in the trainer.
-    received = pickle.loads(ForkingPickler.dumps(Batch({"camera": tensor}, {"camera": flag})))
-    assert torch.equal(received["camera"], torch.arange(6.0).reshape(2, 3))
-    view = received["camera"][1:]
+    received = pickle.loads(ForkingPickler.dumps(batch))
+    assert list(received) == ["a", "i", "b"]
+    assert torch.equal(received["a"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(received["b"], torch.tensor([7.0, 8.0]))
+    views = [received["a"][1:], received["b"][1:]]
     del received
+    for _ in range(2):  # each view alone keeps the storage in use
+        gc.collect()
+        other, _ = buffers.take(shapes, torch.float32)
+        assert other["a"].data_ptr() != tensors["a"].data_ptr()
+        views.pop()
     gc.collect()
-    other, _ = buffers.take((2, 3), torch.float32)  # the first one is still viewed
-    assert other.data_ptr() != tensor.data_ptr()
-    del view
-    gc.collect()
-    again, _ = buffers.take((2, 3), torch.float32)
-    assert again.data_ptr() == tensor.data_ptr()
+    again, _ = buffers.take(shapes, torch.float32)
+    assert again["a"].data_ptr() == tensors["a"].data_ptr()
 
 
-def test_small_values_cross_inside_the_pickle_and_camera_buffers_as_shared_memory():
+def test_small_values_cross_inside_the_pickle_and_camera_buffers_as_one_shared_storage(
+        monkeypatch):
     buffers = SharedBuffers()
-    camera, flag = buffers.take((2, 1 << 18), torch.float32)  # 2 MiB
+    tensors, storage = buffers.take({"a": (2, 1 << 18), "b": (2, 1 << 18)}, torch.float32)
     index = torch.arange(BATCH)
-    batch = Batch({"index": index, "camera": camera}, {"camera": flag})
-    received = pickle.loads(ForkingPickler.dumps(batch))  # as the DataLoader's queue does
-    camera[0, 0], index[0] = 7.0, 99  # written after crossing
-    assert received["camera"][0, 0] == 7.0  # the same memory
+    batch = Batch({"index": index, **tensors}, storage)
+    pickled = ForkingPickler.dumps(batch)  # as the DataLoader's queue does
+    handles = []  # storages received through a file descriptor (a connection each)
+    rebuild = reductions.rebuild_storage_fd
+    monkeypatch.setattr(reductions, "rebuild_storage_fd",
+                        lambda *args: handles.append(args) or rebuild(*args))
+    received = pickle.loads(pickled)
+    assert len(handles) == 1  # both cameras'
+    tensors["a"][0, 0], tensors["b"][1, 5], index[0] = 7.0, 3.0, 99  # written after crossing
+    assert received["a"][0, 0] == 7.0 and received["b"][1, 5] == 3.0  # the same memory
     assert received["index"].tolist() == list(range(BATCH))  # a copy of small values
