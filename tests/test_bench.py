@@ -174,6 +174,27 @@ def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
     assert run.steady_cpu_ms[0] == pytest.approx(50 / 4, rel=0.3)  # ms per sample
 
 
+def test_samples_per_s_cover_the_pass_after_each_workers_first_batch():
+    # With a share's episodes resident at once, a pass decodes most frames early and reuses them
+    # late. Its rate is the whole pass's, whose amplification the decode limit charges: not its
+    # second half's. Here a batch costs 40 ms of CPU in the first half and 10 ms in the second.
+    class Uneven:
+        num_workers, prefetch_factor = 2, 2  # batches 0 and 1: each worker's first
+        collate_fn = bench.TimedCollate(lambda batch: batch)
+
+        def __iter__(self):
+            for n in range(12):
+                until = time.thread_time() + (0.04 if n < 6 else 0.01)
+                while time.thread_time() < until:
+                    pass
+                yield {"index": torch.arange(4)}
+
+    run = bench.timed_pass(lambda: (None, Uneven()), None)
+    (first_s, first), (half_s, half), (last_s, last) = (run.batch_times_s[i] for i in (1, 5, -1))
+    assert run.steady_samples_per_s == pytest.approx((last - first) / (last_s - first_s))
+    assert run.steady_samples_per_s < 0.7 * (last - half) / (last_s - half_s)
+
+
 def test_decode_and_rgb_scale_apart_with_the_amplification():
     # The ceiling decodes each frame once (3 s) and converts it (1 s): at 0.5 decoded frames per
     # delivered one, decoding costs half, converting the same.
