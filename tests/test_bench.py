@@ -153,57 +153,67 @@ def test_the_first_batch_alone_from_the_command_line(cache, root, monkeypatch, c
     assert "flat in dataset size: x2 <= 1.3 x the x1 time" in target
 
 
-def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
-    # A DataLoader's workers finish prefetch_factor x num_workers batches before the consumer
-    # receives them: those arrive with no CPU spent, which must not dilute the steady figure.
-    # Here the "workers" are the iterator itself, burning 50 ms of CPU per batch made.
-    class FetchedAhead:
-        num_workers, prefetch_factor = 2, 2
+def fake_pass(cpu_s=lambda n: 0.0, decoded=lambda n: 0) -> bench.Pass:
+    """A timed pass of 12 batches of 4 samples from a loader with 2 workers fetching 2 batches
+    ahead each, the iterator itself spending ``cpu_s(n)`` of CPU on batch ``n``, which counts
+    ``decoded(n)`` decoded frames."""
+    class Loader:
+        num_workers, prefetch_factor = 2, 2  # batches 0 and 1: each worker's first
         collate_fn = bench.TimedCollate(lambda batch: batch)
 
         def __iter__(self):
             for n in range(12):
-                if n < 12 - self.num_workers * self.prefetch_factor:
-                    until = time.thread_time() + 0.05
-                    while time.thread_time() < until:
-                        pass
-                yield {"index": torch.arange(4)}
+                until = time.thread_time() + cpu_s(n)
+                while time.thread_time() < until:
+                    pass
+                yield {"index": torch.arange(4), "bench.decoded_frames": torch.tensor([decoded(n)])}
 
-    run = bench.timed_pass(lambda: (None, FetchedAhead()), None)
+    return bench.timed_pass(lambda: (None, Loader()), None)
+
+
+def test_cpu_per_sample_leaves_out_the_batches_fetched_ahead():
+    # A DataLoader's workers finish prefetch_factor x num_workers batches before the consumer
+    # receives them: those arrive with no CPU spent, which must not dilute the steady figure.
+    run = fake_pass(lambda n: 0.05 if n < 12 - 2 * 2 else 0.0)
     assert run.samples == 48
     assert run.steady_cpu_ms[0] == pytest.approx(50 / 4, rel=0.3)  # ms per sample
 
 
 def test_samples_per_s_cover_the_pass_after_each_workers_first_batch():
     # With a share's episodes resident at once, a pass decodes most frames early and reuses them
-    # late. Its rate is the whole pass's, whose amplification the decode limit charges: not its
-    # second half's. Here a batch costs 40 ms of CPU in the first half and 10 ms in the second.
-    class Uneven:
-        num_workers, prefetch_factor = 2, 2  # batches 0 and 1: each worker's first
-        collate_fn = bench.TimedCollate(lambda batch: batch)
-
-        def __iter__(self):
-            for n in range(12):
-                until = time.thread_time() + (0.04 if n < 6 else 0.01)
-                while time.thread_time() < until:
-                    pass
-                yield {"index": torch.arange(4)}
-
-    run = bench.timed_pass(lambda: (None, Uneven()), None)
+    # late. Its rate is taken over the whole pass after each worker's first batch, not over its
+    # second half. Here a batch costs 40 ms of CPU in the first half and 10 ms in the second.
+    run = fake_pass(lambda n: 0.04 if n < 6 else 0.01)
     (first_s, first), (half_s, half), (last_s, last) = (run.batch_times_s[i] for i in (1, 5, -1))
     assert run.steady_samples_per_s == pytest.approx((last - first) / (last_s - first_s))
     assert run.steady_samples_per_s < 0.7 * (last - half) / (last_s - half_s)
 
 
+def test_the_decode_limit_counts_the_frames_decoded_in_the_timed_window():
+    # A pass decodes most frames while making each worker's first batch: 100 frames each for
+    # batches 0 and 1, then 10 per batch. Its rate leaves those batches out, and so must the
+    # amplification its decode limit is taken at.
+    run = fake_pass(decoded=lambda n: 100 if n < 2 else 10)
+    assert (run.decoded_frames, run.samples) == (300, 48)
+    assert run.steady_frames == (100, 40)  # batches 2 to 11
+    assert bench._amplification([run, run], 2) == 300 / 96
+    assert bench._amplification([run, run], 2, steady=True) == 100 / 80
+
+
 def test_decode_and_rgb_scale_apart_with_the_amplification():
     # The ceiling decodes each frame once (3 s) and converts it (1 s): at 0.5 decoded frames per
-    # delivered one, decoding costs half, converting the same.
+    # delivered one where the method was timed, decoding costs half, converting the same.
     ceiling = baselines.Ceiling(processes=1, episode_frames=100, decoded_frames=100, wall_s=1.0,
                                 decode_s=3.0, rgb_s=1.0, cpu_s=4.0)
     report = SimpleNamespace(long_gop=None, ceiling=ceiling, ceiling_samples_per_s=800.0,
                              ceiling_cpu_ms=2.0)
-    method = SimpleNamespace(name="refstream-http", amplification=0.5)
+    method = SimpleNamespace(name="refstream-http", amplification=1.0, steady_amplification=0.5)
     assert bench.BenchReport._decode_share(report, method) == (800.0, 2.0, (1.5 + 1) / 4)
+    # The window its rate was timed over decoded 0.25 frames per delivered one: the limit there.
+    method.steady_amplification = 0.25
+    assert bench.BenchReport._decode_share(report, method) == (800.0, 2.0, (0.75 + 1) / 4)
+    method.steady_amplification = 0.0  # every frame decoded before the window: RGB alone
+    assert bench.BenchReport._decode_share(report, method) == (800.0, 2.0, 1 / 4)
 
 
 def test_the_write_floor_adds_to_each_samples_decode_cpu():
@@ -216,8 +226,9 @@ def test_the_write_floor_adds_to_each_samples_decode_cpu():
                             ceiling_cpu_ms=2.0,
                             write_floor=bench.WriteFloor(0.5, 0.1, 5.5)).items():
         object.__setattr__(report, name, value)
-    float32 = SimpleNamespace(name="refstream-http", amplification=0.5)
-    uint8 = SimpleNamespace(name="refstream-http-uint8", amplification=0.5)
+    float32 = SimpleNamespace(name="refstream-http", amplification=1.0, steady_amplification=0.5)
+    uint8 = SimpleNamespace(name="refstream-http-uint8", amplification=1.0,
+                            steady_amplification=0.5)
     assert report.decode_limit(float32) == pytest.approx(1000 / 0.75)
     assert report.floor_limit(float32) == pytest.approx(1000 / 0.75 * 1.5 / 2.0)
     assert report.floor_limit(uint8) == pytest.approx(1000 / 0.75 * 1.5 / 1.6)
