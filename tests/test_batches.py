@@ -26,6 +26,7 @@ from lerobot_layout import write_layout
 from torch.multiprocessing import reductions
 from torch.utils.data import DataLoader
 
+from refstream import worker
 from refstream.errors import UsageError
 from refstream.stream import Batch, StreamingDataset
 from refstream.tools.demo import write_demo_dataset
@@ -224,6 +225,34 @@ def test_a_held_batch_keeps_its_memory_and_a_dropped_one_is_reused(root):
         addresses.append(batch[camera].data_ptr())
         del batch
     assert len(set(addresses)) <= 2 < len(addresses)  # dropped, then written again
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_training_process_maps_each_storage_a_worker_sends_once(root, monkeypatch,
+                                                                     persistent):
+    # A worker sends each of its shared storages again and again. Mapping one anew costs the
+    # receiving process about as much CPU as reading the batch, so one sent again arrives mapped
+    # already; a worker's storages are let go once it ended or made new ones (a new epoch with
+    # persistent workers). The oracle: torch's own calls that map a storage from a descriptor.
+    maps = []
+    map_fd = torch.UntypedStorage._new_shared_fd_cpu
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_fd_cpu", classmethod(
+        lambda cls, fd, size: maps.append(size) or map_fd(fd, size)))
+    monkeypatch.setattr(worker, "_mapped", {})
+    dataset = StreamingDataset(root, batch_size=BATCH, batched=True, seed=6,
+                               delta_timestamps=WINDOWS)
+    loader = DataLoader(dataset, batch_size=None, num_workers=1, persistent_workers=persistent)
+    batches, owners = 0, []
+    for _ in range(2):
+        for batch in loader:
+            batches += 1
+            owners.append(list(worker._mapped))
+            del batch
+    per_epoch = batches // 2  # one owner at a time: the first epoch's, then the second's
+    assert owners == [owners[0]] * per_epoch + [owners[-1]] * per_epoch
+    assert len(owners[0]) == len(owners[-1]) == 1 and owners[0] != owners[-1]
+    # At most 4 storages a worker cycles through (2 batches fetched ahead, one held, one made).
+    assert len(maps) <= 2 * 4 < batches
 
 
 def test_an_in_use_flag_clears_when_the_receiving_process_drops_the_last_view():
