@@ -140,9 +140,9 @@ def _received(values: dict, storage: torch.UntypedStorage | None, dtype: torch.d
     """A batch where it is used: its views of ``storage`` clear its in-use flag once dropped."""
     values = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
               for key, value in values.items()}
-    if views and owner is not None and owner[0] != os.getpid() and os.name == "posix":
-        _keep_mapped(owner, storage)
     if views:
+        if owner is not None and owner[0] != os.getpid() and os.name == "posix":
+            _keep_mapped(owner, storage)
         # Every view holds the one array, so the flag clears when the last view is dropped.
         pixels, flag = SharedBuffers.arrays(storage, dtype)
         weakref.finalize(pixels, _released, flag).atexit = False
@@ -167,20 +167,26 @@ def _released(flag: np.ndarray) -> None:
     """The last view of a received batch was dropped: its storage is free, and owners that
     ended are let go."""
     flag[0] = 0
-    _keep_mapped(None, None)
+    _let_go()
 
 
-def _keep_mapped(owner: tuple[int, int] | None, storage: torch.UntypedStorage | None) -> None:
-    """Keep ``storage`` of ``owner`` mapped (if given); let go of ended and replaced owners'."""
+def _keep_mapped(owner: tuple[int, int], storage: torch.UntypedStorage) -> None:
+    """Keep ``storage`` of ``owner`` mapped, letting go of the owners that ended or it replaced."""
     with _mapped_lock:
-        for other in [o for o in _mapped if o != owner and not (
-                _alive(o[0]) and (owner is None or o[0] != owner[0]))]:
-            _mapped.pop(other, None)
-        if owner is None:
-            return
+        _let_go(owner)
         kept = _mapped.setdefault(owner, {})
         if len(kept) < MAX_SHARED_BUFFERS:  # as many as the owner reuses
             kept[storage.data_ptr()] = storage
+
+
+def _let_go(current: tuple[int, int] | None = None) -> None:
+    """Drop the storages of owners whose process ended, or that ``current`` replaced (an owner
+    of the same process: its buffers of a later epoch)."""
+    with _mapped_lock:
+        for owner in list(_mapped):
+            replaced = current is not None and owner[0] == current[0] and owner != current
+            if replaced or (owner != current and not _alive(owner[0])):
+                _mapped.pop(owner, None)
 
 
 def _alive(pid: int) -> bool:
